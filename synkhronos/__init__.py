@@ -1,0 +1,24 @@
+"""synkhronos: data-parallel PyTensor (Theano-style) functions over worker processes.
+
+    import synkhronos as synk
+    synk.fork()                       # one process per device (CPU cores here)
+    f = synk.function([x], outputs=loss, bcast_inputs=[y])
+    synk.distribute()
+    r = f(synk.data(x_dat), synk.data(y_dat))
+"""
+import sys as _sys
+
+from .runtime import fork, close
+from .data import data, Data
+from .function import function, distribute, Function
+from .errors import SynkError, WorkerError, WorkerDied
+from .collectives import (broadcast, scatter, gather, all_gather, reduce, all_reduce,
+                          set_value, get_value, get_lengths, get_shapes)
+
+_sys.setrecursionlimit(max(_sys.getrecursionlimit(), 50000))
+
+__version__ = "0.1.0"
+__all__ = ["fork", "close", "data", "Data", "function", "distribute", "Function",
+           "broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
+           "set_value", "get_value", "get_lengths", "get_shapes",
+           "SynkError", "WorkerError", "WorkerDied"]

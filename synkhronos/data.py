@@ -1,0 +1,234 @@
+"""``Data``: arrays in OS shared memory that every rank reads without copying.
+
+The master owns each Data's segment; workers attach lazily the first time a command
+names it and drop the mapping when the master tells them it is gone (piggybacked on the
+next command), so resizing, freeing or dropping a Data costs no extra round trip."""
+import math
+import weakref
+
+import numpy as np
+
+from . import shm
+from .runtime import get_runtime
+
+
+def _check_oversize(oversize):
+    if isinstance(oversize, bool) or not isinstance(oversize, (int, float, np.integer, np.floating)) \
+            or not 1 <= float(oversize) <= 2:
+        raise ValueError(f"param 'oversize' must be a number in [1, 2], got {oversize!r}")
+    return float(oversize)
+
+
+def condition(value, dtype, ndim, force_cast=False):
+    """Convert ``value`` to an array of ``dtype`` and ``ndim`` as Data.set_value would.
+
+    Arrays (and numpy scalars) are accepted when their dtype casts safely to ``dtype``
+    (uint8 -> int32 yes, float64 -> float32 no).  Python lists and scalars carry no precision
+    of their own, so they are accepted when they cast within the same kind (float list ->
+    float32).  ``force_cast=True`` converts anything numpy can convert."""
+    dtype = np.dtype(dtype)
+    if force_cast:
+        arr = np.asarray(value, dtype=dtype)
+    else:
+        typed = isinstance(value, (np.ndarray, np.generic)) or hasattr(value, "__array_interface__")
+        arr = np.asarray(value)
+        if arr.dtype != dtype:
+            ok = np.can_cast(arr.dtype, dtype, "safe") or (
+                not typed and arr.dtype.kind in "biuf" and dtype.kind in "iuf"
+                and np.can_cast(arr.dtype, dtype, "same_kind"))
+            if not typed and arr.dtype.kind in "iu" and dtype.kind in "iuf":
+                ok = True
+                if dtype.kind in "iu" and arr.size:
+                    info = np.iinfo(dtype)
+                    ok = info.min <= arr.min() and arr.max() <= info.max
+            if not ok:
+                raise TypeError(
+                    f"data of dtype {arr.dtype} cannot be safely cast to {dtype}; convert it "
+                    f"first or pass force_cast=True")
+            arr = arr.astype(dtype)
+    if arr.ndim != ndim:
+        raise TypeError(f"wrong number of dimensions: expected {ndim}, got {arr.ndim} (shape {arr.shape})")
+    return arr
+
+
+def _release(rt_ref, name):
+    """Finalizer of a dropped Data: unlink its segment, tell the workers on the next command."""
+    shm.unlink_segment(name)
+    rt = rt_ref()
+    if rt is not None and not rt.closed:
+        rt.forget.append(name)
+
+
+class Data:
+    """Shared-memory array input for synkhronos functions and collectives.
+
+    Behaves like a numpy array for reading and writing (indexing, ``len``, ``shape`` …);
+    ``set_value``/``set_shape``/``set_length`` resize it, reusing the allocation whenever the
+    new size fits.  Create it with ``synk.data(...)``."""
+
+    def __init__(self, dtype, ndim, minibatch=False, name=None, _rt=None):
+        rt = _rt or get_runtime()
+        self._rt_ref = weakref.ref(rt)
+        self.ID = rt.n_data
+        rt.n_data += 1
+        rt.datas.add(self)
+        self._dtype = np.dtype(dtype)
+        if not isinstance(ndim, (int, np.integer)) or ndim < 0:
+            raise ValueError(f"ndim must be a non-negative int, got {ndim!r}")
+        self._ndim = int(ndim)
+        self._minibatch = bool(minibatch)
+        self._name = name
+        self._seg = None
+        self._gen = 0
+        self._alloc = 0          # items allocated
+        self._finalizer = None
+        self._arr = np.empty((0,) * self._ndim, self._dtype)
+
+    # ---- numpy-like surface --------------------------------------------------------------
+    dtype = property(lambda self: self._dtype, doc="numpy dtype of the data")
+    ndim = property(lambda self: self._ndim, doc="number of dimensions (fixed)")
+    shape = property(lambda self: self._arr.shape, doc="current shape")
+    size = property(lambda self: self._arr.size, doc="current number of items")
+    alloc_size = property(lambda self: self._alloc, doc="items allocated in shared memory (>= size)")
+    data = property(lambda self: self._arr, doc="the numpy view of the shared memory")
+    name = property(lambda self: self._name, doc="name given at creation (may be None)")
+    minibatch = property(lambda self: self._minibatch,
+                         doc="whether rows are taken by position within a call's batch")
+
+    def __getitem__(self, k):
+        return self._arr[k]
+
+    def __setitem__(self, k, v):
+        self._arr[k] = v
+
+    def __len__(self):
+        if self._ndim == 0:
+            raise TypeError("len() of a 0-d Data")
+        return len(self._arr)
+
+    def __array__(self, dtype=None, copy=None):
+        if copy:
+            return np.array(self._arr, dtype=dtype)
+        return self._arr if dtype is None else self._arr.astype(dtype, copy=False)
+
+    def __repr__(self):
+        nm = f" {self._name!r}" if self._name else ""
+        return f"<synk.Data{nm} shape={self.shape} dtype={self._dtype} alloc={self._alloc}>"
+
+    # ---- values and shapes --------------------------------------------------------------
+    def condition_data(self, input_data, force_cast=False):
+        """The array ``set_value`` would store for ``input_data`` (a dry run)."""
+        return condition(input_data, self._dtype, self._ndim, force_cast)
+
+    def set_value(self, input_data, force_cast=False, oversize=1):
+        """Write ``input_data``, resizing (and reallocating only if it does not fit)."""
+        arr = condition(input_data, self._dtype, self._ndim, force_cast)
+        self._reshape(arr.shape, oversize, keep=False)
+        np.copyto(self._arr, arr)
+
+    def set_shape(self, shape, oversize=1):
+        """Change the shape; the allocation is reused when the new size fits.
+
+        Rows are kept when only the length changes; after a reallocation that changes
+        other dimensions the contents are zero."""
+        shape = tuple(int(s) for s in shape)
+        if len(shape) != self._ndim:
+            raise ValueError(f"cannot change number of dimensions: expected {self._ndim}, got {len(shape)}")
+        if any(s < 0 for s in shape):
+            raise ValueError(f"negative dimension in shape {shape}")
+        self._reshape(shape, oversize, keep=True)
+
+    def set_length(self, length, oversize=1):
+        """Change the length (axis 0), keeping the other dimensions and the leading rows."""
+        if self._ndim == 0:
+            raise ValueError("a 0-d Data has no length")
+        length = int(length)
+        if length < 0:
+            raise ValueError(f"length must be a non-negative integer, got {length}")
+        self.set_shape((length,) + self.shape[1:], oversize)
+
+    def free_memory(self):
+        """Release the shared memory everywhere; the Data becomes empty (shape of zeros)."""
+        self._check_open()
+        self._drop_segment()
+        self._alloc = 0
+        self._arr = np.empty((0,) * self._ndim, self._dtype)
+
+    # ---- internals ------------------------------------------------------------------------
+    def _check_open(self):
+        rt = self._rt_ref()
+        if rt is None or rt.closed:
+            raise RuntimeError("this Data belongs to a closed synkhronos session")
+        return rt
+
+    def _reshape(self, shape, oversize, keep):
+        oversize = _check_oversize(oversize)
+        rt = self._check_open()
+        if tuple(shape) == self._arr.shape:
+            return
+        size = math.prod(shape)
+        if size <= self._alloc:
+            old = self._arr
+            self._arr = self._seg.array(self._dtype, shape) if size else np.empty(shape, self._dtype)
+            return
+        old = self._arr
+        n_items = max(size, int(size * oversize))
+        self._gen += 1
+        seg = shm.Segment(f"{rt.prefix}_d{self.ID}_{self._gen}", n_items * self._dtype.itemsize, create=True)
+        new = seg.array(self._dtype, shape)
+        if keep and old.ndim and old.shape[1:] == shape[1:]:
+            rows = min(len(old), shape[0])
+            new[:rows] = old[:rows]
+        self._drop_segment()
+        self._seg, self._alloc, self._arr = seg, n_items, new
+        self._finalizer = weakref.finalize(self, _release, self._rt_ref, seg.name)
+
+    def _drop_segment(self):
+        if self._finalizer is not None:
+            self._finalizer()          # unlinks and queues the name for the workers
+            self._finalizer = None
+        self._seg = None
+
+    def _desc(self):
+        """What a worker needs to map this Data: (segment name, dtype, shape)."""
+        arr = self._arr
+        return (self._seg.name if (self._seg is not None and arr.size) else None, arr.dtype.str, arr.shape)
+
+
+def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=False,
+         force_cast=False, oversize=1, name=None):
+    """Make a ``Data`` (shared-memory array) for function inputs and collectives.
+
+    dtype and ndim come from ``var`` (a PyTensor variable), else from ``dtype``/``ndim`` (or
+    ``len(shape)``), else from ``value``.  ``value`` fills it; ``shape`` alone allocates
+    zeros.  ``oversize`` in [1, 2] reserves extra room so later growth needs no new segment."""
+    get_runtime()
+    _check_oversize(oversize)
+    if var is not None:
+        vtype = getattr(var, "type", None)
+        if vtype is None or not hasattr(vtype, "dtype") or not hasattr(vtype, "ndim"):
+            raise TypeError(f"var must be a PyTensor tensor variable, got {var!r}")
+        if dtype is not None and np.dtype(dtype) != np.dtype(vtype.dtype):
+            raise ValueError(f"dtype={dtype!r} conflicts with var's dtype {vtype.dtype}")
+        if ndim is not None and ndim != vtype.ndim:
+            raise ValueError(f"ndim={ndim!r} conflicts with var's ndim {vtype.ndim}")
+        dtype, ndim = vtype.dtype, vtype.ndim
+        if name is None:
+            name = var.name
+    if ndim is None and shape is not None:
+        ndim = len(shape)
+    if value is not None and (dtype is None or ndim is None):
+        arr = np.asarray(value)
+        dtype = arr.dtype if dtype is None else dtype
+        ndim = arr.ndim if ndim is None else ndim
+    if dtype is None or ndim is None:
+        raise TypeError("Must provide either 1) var, 2) a value with dtype and ndim, or "
+                        "3) dtype and either ndim or shape.")
+    d = Data(dtype, ndim, minibatch=minibatch, name=name)
+    if value is not None:
+        d.set_value(value, force_cast=force_cast, oversize=oversize)
+        if shape is not None and tuple(shape) != d.shape:
+            raise ValueError(f"shape {tuple(shape)} does not match the value's shape {d.shape}")
+    elif shape is not None:
+        d.set_shape(shape, oversize)
+    return d

@@ -1,0 +1,125 @@
+"""Device backends: what one rank computes on, and how many of them a machine has.
+
+The CPU backend gives each rank an equal share of the usable cores by limiting BLAS,
+OpenMP and numba threads, so that n processes do not oversubscribe the machine.
+A GPU backend (one rank per GPU, PyTensor's JAX backend, NCCL collectives) plugs in here."""
+import os
+
+_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS",
+                "NUMBA_NUM_THREADS")
+
+
+def usable_cores():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+class Device:
+    """Interface of a device backend."""
+    kind = "abstract"
+
+    @staticmethod
+    def count():
+        """Number of devices of this kind on the machine (0 if none)."""
+        raise NotImplementedError
+
+    def __init__(self, n):
+        self.n = n
+
+    def worker_env(self, rank):
+        """Environment variables a worker process of this rank starts with."""
+        return {}
+
+    def init_master(self, rank):
+        """Prepare the master process to act as ``rank``; undone by ``release_master``."""
+
+    def release_master(self):
+        pass
+
+    def init_worker(self, rank):
+        """Prepare a freshly started worker process."""
+
+    def describe(self):
+        return f"{self.n} {self.kind} rank(s)"
+
+
+class CpuDevice(Device):
+    """Ranks are CPU cores; each process gets ``cores // n`` threads (at least one)."""
+    kind = "cpu"
+
+    @staticmethod
+    def count():
+        return usable_cores()
+
+    def __init__(self, n):
+        super().__init__(n)
+        self.cores = usable_cores()
+        self.threads = max(1, self.cores // n)
+        self._limits = None
+        self._saved_env = None
+        self._numba_threads = None
+
+    def worker_env(self, rank):
+        return {v: str(self.threads) for v in _THREAD_VARS}
+
+    def init_master(self, rank):
+        from threadpoolctl import threadpool_limits
+        self._saved_env = {v: os.environ.get(v) for v in _THREAD_VARS}
+        os.environ.update(self.worker_env(rank))   # libraries loaded later read these
+        self._limits = threadpool_limits(limits=self.threads)
+        try:
+            import numba
+            self._numba_threads = numba.get_num_threads()
+            numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
+        except Exception:  # numba missing or its pool not configurable: nothing to limit
+            self._numba_threads = None
+
+    def release_master(self):
+        if self._limits is not None:
+            self._limits.restore_original_limits()
+            self._limits = None
+        if self._saved_env is not None:
+            for k, v in self._saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            self._saved_env = None
+        if self._numba_threads is not None:
+            try:
+                import numba
+                numba.set_num_threads(self._numba_threads)
+            except Exception:
+                pass
+            self._numba_threads = None
+
+    def describe(self):
+        return f"{self.n} CPU ranks on {self.cores} usable cores, {self.threads} thread(s) each"
+
+
+def gpu_count():
+    """Number of GPUs usable by the (future) GPU backend; 0 when it is not installed."""
+    return 0
+
+
+def select_device(n_parallel, use_gpu):
+    """Pick the backend and the number of ranks, validating the request in the master."""
+    if use_gpu is None:
+        use_gpu = gpu_count() > 0
+    if use_gpu:
+        if gpu_count() == 0:
+            raise NotImplementedError(
+                "use_gpu=True but no GPU backend is available yet on this machine; "
+                "use use_gpu=None or False for CPU workers.")
+        raise NotImplementedError("The GPU backend is not implemented yet.")
+    cls = CpuDevice
+    if n_parallel is None:
+        n_parallel = cls.count()
+    if isinstance(n_parallel, bool) or not isinstance(n_parallel, int):
+        raise TypeError(f"n_parallel must be a positive int or None, got {n_parallel!r}")
+    if n_parallel < 1:
+        raise ValueError(f"n_parallel must be at least 1, got {n_parallel}")
+    return cls(n_parallel)

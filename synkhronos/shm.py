@@ -1,0 +1,89 @@
+"""Named POSIX shared memory, private to the user (mode 0600, unguessable names).
+
+Every name made by one runtime starts with that runtime's random prefix, so that a closed
+or crashed run can remove all of its segments and semaphores by prefix."""
+import mmap
+import os
+import secrets
+
+import numpy as np
+import posix_ipc
+
+SHM_DIR = "/dev/shm"
+PAGE = mmap.PAGESIZE
+
+
+def new_prefix():
+    """An unguessable name prefix for one runtime session."""
+    return "/synk_" + secrets.token_hex(8)
+
+
+class Segment:
+    """A mapped shared-memory segment.  The creator owns the name and unlinks it."""
+
+    __slots__ = ("name", "size", "mm", "owner", "__weakref__")
+
+    def __init__(self, name, size=0, create=False):
+        if create:
+            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=max(int(size), 1))
+        else:
+            shm = posix_ipc.SharedMemory(name)
+        size = shm.size
+        try:
+            self.mm = mmap.mmap(shm.fd, size)
+        finally:
+            shm.close_fd()
+        self.name, self.size, self.owner = name, size, create
+
+    def array(self, dtype, shape, offset=0):
+        """A numpy view of the segment (no copy)."""
+        return np.ndarray(shape, dtype=dtype, buffer=self.mm, offset=offset)
+
+    def unlink(self):
+        unlink_segment(self.name)
+
+
+def unlink_segment(name):
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        pass
+
+
+def new_semaphore(name):
+    return posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0)
+
+
+def remove_all(prefix):
+    """Unlink every segment and semaphore whose name starts with ``prefix``.
+
+    Returns the number removed.  Safe to call from any rank, any number of times."""
+    base = prefix.lstrip("/")
+    removed = 0
+    try:
+        entries = os.listdir(SHM_DIR)
+    except OSError:
+        return 0
+    for entry in entries:
+        if entry.startswith(base):
+            try:
+                posix_ipc.unlink_shared_memory("/" + entry)
+                removed += 1
+            except posix_ipc.ExistentialError:
+                pass
+        elif entry.startswith("sem." + base):
+            try:
+                posix_ipc.unlink_semaphore("/" + entry[4:])
+                removed += 1
+            except posix_ipc.ExistentialError:
+                pass
+    return removed
+
+
+def leftovers(prefix="synk_"):
+    """Names in /dev/shm that start with ``prefix`` (segments or semaphores)."""
+    base = prefix.lstrip("/")
+    try:
+        return sorted(e for e in os.listdir(SHM_DIR) if e.startswith(base) or e.startswith("sem." + base))
+    except OSError:
+        return []
