@@ -474,9 +474,11 @@ def distribute():
         payload = pickle.dumps((cores, shareds), protocol=pickle.HIGHEST_PROTOCOL)
     finally:
         sys.setrecursionlimit(old)
-    rt.execute("distribute", (payload,), what="distribute")
     rt.shareds = shareds
     rt.shared_ids = {id(v): i for i, v in enumerate(shareds)}
+    from .collectives import master_env
+    master_env(rt)          # creates the slot table the workers attach to
+    rt.execute("distribute", (payload,), what="distribute")
     rt.distributed = True
     print(f"...distribution complete ({time.perf_counter() - t0:.1f} s).", flush=True)
 
@@ -494,6 +496,8 @@ def _w_distribute(ctx, payload):
         if c.f_s is not None:
             c.f_s.trust_input = True
     ctx.functions, ctx.shareds = cores, shareds
+    from .collectives import worker_env
+    ctx.coll_env = worker_env(ctx)
     return None
 
 

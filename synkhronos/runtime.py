@@ -14,7 +14,7 @@ import weakref
 
 from . import shm
 from .device import select_device
-from .errors import WorkerDied, WorkerError
+from .errors import Aborted, WorkerDied, WorkerError
 from .transport import ShmTransport
 
 _runtime = None
@@ -94,6 +94,9 @@ class Runtime:
                 raise TimeoutError(f"synkhronos: workers did not answer in time during {what}")
             return True
         return alive
+
+    def alive_check(self):
+        return self._alive_fn()()
 
     def shutdown(self, graceful=True):
         """Stop the workers (politely first), free every segment, undo thread limits."""
@@ -188,6 +191,8 @@ class Runtime:
         errors = {r: rep[1] for r, rep in replies.items() if rep[0] == "err"}
         if t.aborted() or errors or local_exc is not None:
             t.drain()
+        if isinstance(local_exc, Aborted) and errors:
+            local_exc = None            # the master only stopped because a worker failed
         if local_exc is not None:
             if errors:
                 raise local_exc from WorkerError(errors, what)
