@@ -10,6 +10,7 @@ alive (and, inside a multi-phase command, whether another rank aborted it).
 Another transport (MPI, sockets) only has to provide the same methods."""
 import pickle
 import struct
+from time import perf_counter as _now
 
 import posix_ipc
 
@@ -101,6 +102,7 @@ class ShmTransport:
 
     TICK_IDLE = 0.5      # worker waiting for the next command
     TICK_BUSY = 0.02     # anyone waiting inside a command
+    SPIN = 200e-6        # poll this long before sleeping on a semaphore
 
     def __init__(self, prefix, n, rank, master_rank, create):
         self.prefix, self.n, self.rank, self.master_rank = prefix, n, rank, master_rank
@@ -130,7 +132,7 @@ class ShmTransport:
 
     def wait_done(self, rank, alive):
         """Master: wait until worker ``rank`` has replied; ``alive()`` is checked every tick."""
-        _wait(self.done[rank], self.TICK_BUSY, alive)
+        _wait(self.done[rank], self.TICK_BUSY, alive, self.SPIN)
 
     def read_reply(self, rank):
         return self.readers[rank].read()
@@ -151,7 +153,7 @@ class ShmTransport:
     # ---- worker side -------------------------------------------------------------------
     def recv(self, alive):
         """Worker: wait for the next command (checking ``alive()`` every tick) and return it."""
-        _wait(self.go[self.rank], self.TICK_IDLE, alive)
+        _wait(self.go[self.rank], self.TICK_IDLE, alive, self.SPIN)
         self.seq = int(self.ctrl[CMD_SEQ])
         return self.readers[self.master_rank].read()
 
@@ -182,7 +184,7 @@ class ShmTransport:
             return alive()
 
         for _ in range(self.n - 1):
-            _wait(mine, self.TICK_BUSY, ok)
+            _wait(mine, self.TICK_BUSY, ok, self.SPIN)
 
     def close(self):
         self.mailbox.close()
@@ -190,8 +192,22 @@ class ShmTransport:
             shm.remove_all(self.prefix)
 
 
-def _wait(sem, tick, alive):
-    """Acquire ``sem``; every ``tick`` seconds call ``alive()``, which raises or returns False to stop."""
+def _wait(sem, tick, alive, spin=0.0):
+    """Acquire ``sem``; every ``tick`` seconds call ``alive()``, which raises or returns False to stop.
+
+    With ``spin`` > 0 it first polls the semaphore for that many seconds without sleeping:
+    waking a sleeping process costs tens of microseconds, which dominates tiny calls."""
+    if spin:
+        end = _now() + spin
+        while sem.value == 0:
+            if _now() > end:
+                break
+        else:
+            try:
+                sem.acquire(0)
+                return
+            except posix_ipc.BusyError:
+                pass
     while True:
         try:
             sem.acquire(tick)
