@@ -34,7 +34,7 @@ class Core:
         self.modes, self.update_vars, self.update_modes = modes, update_vars, update_modes
 
     def shareds(self):
-        out = []
+        out = list(self.update_vars)
         for fn in (self.f, self.f_s):
             if fn is not None:
                 out.extend(fn.get_shared())
@@ -217,6 +217,7 @@ class Function:
         if f_s is not None:
             f_s.trust_input = True
         self._sliceable = sliceable
+        self._updates_sliceable = False     # set by distribute()
         self._core = Core(len(rt.functions), f, f_s, len(self._inputs), len(self._bcast), len(out_vars),
                           self._output_modes, upd_vars, self._update_modes, sliceable)
         self._names = {v.name: i for i, v in enumerate(self._all_inputs) if v.name}
@@ -348,6 +349,8 @@ class Function:
             total = None
             bounds = (0,) * (n + 1)
         variant = "s" if (self._sliceable and (sel_s is not None or num_slices > 1)) else "f"
+        if self._sliceable and (variant == "s" or ns):
+            self._check_sliceable(sel_s, bounds if ns else None)
         descs = [d._desc() for d in datas]
         me = rt.rank
         arrays = [d.data for d in datas]
@@ -365,7 +368,40 @@ class Function:
         mine, theirs = rt.execute("call", (core.fid, descs, wplan), local, master_first,
                                   what=f"call of function {self.name or core.fid}")
         self._warm.add(variant)
+        if self._updates_sliceable:
+            rt.sliceable_lengths.clear()
         return self._collect(mine, theirs, wanted)
+
+    def _check_sliceable(self, sel_s, bounds):
+        """Check batch_s against every rank's sliceable-shared lengths, in the master.
+
+        Workers' lengths change only through synkhronos commands, so they are cached and
+        re-read (one round trip) after any command that may have changed them."""
+        rt = self._rt
+        vids = tuple(rt.shared_ids[id(v)] for v in self._sliceable)
+        lens = rt.sliceable_lengths.get(vids)
+        if lens is None:
+            from .collectives import get_shapes
+            shapes = get_shapes(list(self._sliceable))
+            lens = rt.sliceable_lengths[vids] = [[s[r][0] for s in shapes] for r in range(rt.n)]
+        lens = [list(l) for l in lens]
+        lens[rt.rank] = [len(v.container.storage[0]) for v in self._sliceable]   # master may set_value locally
+        for r in range(rt.n):
+            sel = None if sel_s is None else sel_s[r]
+            if sel is None and len(set(lens[r])) > 1:
+                raise ValueError(f"sliceable shareds have different lengths {lens[r]} on rank {r}; "
+                                 "pass batch_s or make them equal")
+            top = min(lens[r])
+            if sel is not None and sc.sel_max(sel) > top:
+                raise IndexError(f"batch_s selects row {sc.sel_max(sel) - 1} on rank {r}, but its sliceable "
+                                 f"shareds have only {top} rows")
+            if bounds is not None:
+                rows = bounds[r + 1] - bounds[r]
+                srows = top if sel is None else sc.sel_length(sel, top)
+                if rows != srows:
+                    raise ValueError(f"rank {r}: the scattered inputs give {rows} rows but the sliceable "
+                                     f"shareds give {srows}; their per-rank lengths must agree "
+                                     "(use batch / batch_s to select matching rows)")
 
     def _run_empty(self, arrays):
         """Every shard is empty: compute once on the empty input, as serial PyTensor would."""
@@ -474,6 +510,9 @@ def distribute():
         payload = pickle.dumps((cores, shareds), protocol=pickle.HIGHEST_PROTOCOL)
     finally:
         sys.setrecursionlimit(old)
+    slc = {id(v) for f in rt.functions for v in f._sliceable}
+    for f in rt.functions:
+        f._updates_sliceable = any(id(u) in slc for u in f._core.update_vars)
     rt.shareds = shareds
     rt.shared_ids = {id(v): i for i, v in enumerate(shareds)}
     from .collectives import master_env

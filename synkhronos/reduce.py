@@ -34,13 +34,13 @@ def combine(mode, parts, weights=None, out=None):
         w = np.ones(len(parts)) if weights is None else np.asarray(weights, dtype=np.float64)
         w = w / w.sum()
         wide = np.result_type(first.dtype, np.float64)
-        acc = np.multiply(first, w[0], dtype=wide)
+        acc = np.asarray(np.multiply(first, w[0], dtype=wide))
         for p, wi in zip(parts[1:], w[1:]):
             acc += np.multiply(p, wi, dtype=wide)
         if first.dtype.kind in "biu":
             acc = np.rint(acc)
         if out is None:
-            return acc.astype(first.dtype)
+            return np.asarray(acc.astype(first.dtype))
         np.copyto(out, acc, casting="unsafe")
         return out
     fn = _BINARY[mode]

@@ -47,7 +47,7 @@ class Runtime:
         self.inflight = False
         self.n_data = 0
         self.datas = weakref.WeakSet()
-        self.calls = 0
+        self.sliceable_lengths = {}   # tuple of var ids -> per-rank lengths (cache)
 
     # ---- life cycle ------------------------------------------------------------------
     def start(self, timeout):
@@ -170,6 +170,8 @@ class Runtime:
             if master_first and local is not None:
                 local_result = local()
                 local = None
+            if name != "call":
+                self.sliceable_lengths.clear()     # a collective may change workers' lengths
             forget, self.forget = self.forget, []
             t.send((name, args, forget))
             self.inflight = True
