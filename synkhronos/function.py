@@ -285,6 +285,10 @@ class Function:
     # ---- calling -----------------------------------------------------------------------
     def __call__(self, *args, output_subset=None, batch=None, batch_s=None, num_slices=1, **kwargs):
         """Run on all ranks and return the reduced outputs (see the user guide for selectors)."""
+        with self._rt.lock:
+            return self._call(args, kwargs, output_subset, batch, batch_s, num_slices)
+
+    def _call(self, args, kwargs, output_subset, batch, batch_s, num_slices):
         rt = self._rt
         if rt.closed:
             raise RuntimeError("synkhronos is closed; this function belongs to a closed session")

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import weakref
 
@@ -47,6 +48,7 @@ class Runtime:
         self.inflight = False
         self.n_data = 0
         self.datas = weakref.WeakSet()
+        self.lock = threading.RLock()  # one command at a time, whichever thread calls
         self.sliceable_lengths = {}   # tuple of var ids -> per-rank lengths (cache)
 
     # ---- life cycle ------------------------------------------------------------------
@@ -157,7 +159,10 @@ class Runtime:
         WorkerError after all ranks are idle again; a dead worker closes the runtime and
         raises WorkerDied.  With ``master_first`` the master computes before the workers
         start (so that a JIT compile happens once and workers load it from the cache)."""
-        what = what or name
+        with self.lock:
+            return self._execute(name, args, local, master_first, what or name)
+
+    def _execute(self, name, args, local, master_first, what):
         if self.closed:
             raise RuntimeError("synkhronos is closed; call synk.fork() first")
         t = self.transport
@@ -179,11 +184,16 @@ class Runtime:
                 try:
                     local_result = local()
                 except (KeyboardInterrupt, SystemExit):
+                    t.abort()            # workers leave their barriers; collected next time
                     raise
                 except BaseException as e:  # keep the protocol in step: collect first
                     local_exc = e
                     t.abort()
-            replies = self._collect(what=what)
+            try:
+                replies = self._collect(what=what)
+            except (KeyboardInterrupt, SystemExit):
+                t.abort()
+                raise
         except _Dead as d:
             try:
                 t.abort()

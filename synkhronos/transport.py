@@ -215,3 +215,5 @@ def _wait(sem, tick, alive, spin=0.0):
         except posix_ipc.BusyError:
             if alive() is False:
                 raise ConnectionError("peer is gone")
+        except posix_ipc.SignalError:   # a signal handler (Ctrl-C) runs when we return to Python
+            pass

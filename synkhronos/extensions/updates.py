@@ -1,0 +1,296 @@
+"""Lasagne's first-order update rules, split for data-parallel training.
+
+A data-parallel step is three calls:
+
+1. a gradient function (``synk.function(inputs, outputs=loss, updates=grad_updates)``)
+   writes this rank's gradient of *all* parameters into ONE flat shared vector;
+2. ``synk.all_reduce(grad_shared, op="avg")`` averages that vector over the ranks
+   (one collective per step, however many parameters the model has);
+3. a parameter-update function (``synk.function([], updates=param_updates)``) reads the
+   averaged gradient, as reshaped slices of the flat vector, and applies the rule.
+
+Every rule returns ``(grad_updates, param_updates, grad_shared)``:
+``grad_updates == [(grad_shared, flat_grad)]``, ``param_updates`` a list of
+``(shared, new_value)`` pairs, ``grad_shared`` the flat vector (dtype of the parameters).
+The formulas and defaults are Lasagne's (``lasagne.updates``); hyperparameters may be
+numbers or symbolic scalars (e.g. a shared learning rate: remember to ``synk.broadcast`` it
+after changing it in the master).  Every rank keeps its own copy of the rule's state
+(velocities, moments, time step); all ranks apply identical updates, so the copies agree.
+``synkhronos.extensions.train.make_train_function`` wires the three steps together.
+"""
+from collections import OrderedDict
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+from pytensor.compile.sharedvalue import SharedVariable
+from pytensor.graph.basic import Variable
+from pytensor.scalar import upcast
+
+__all__ = ["sgd", "momentum", "nesterov_momentum", "apply_momentum", "apply_nesterov_momentum",
+           "adagrad", "rmsprop", "adadelta", "adam", "adamax",
+           "flatten_vars", "unflatten_vars", "vars_flat_size", "flat_unflat_grads"]
+
+
+# ------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _check_params(params):
+    if isinstance(params, (SharedVariable, Variable)):
+        params = [params]
+    params = list(params)
+    if not params:
+        raise ValueError("params is empty: give the list of shared variables to train")
+    for p in params:
+        if not isinstance(p, SharedVariable):
+            raise TypeError(f"params must be shared variables (they hold the values), got {p!r}")
+        if np.dtype(p.type.dtype).kind != "f":
+            raise TypeError(f"parameter {p} has dtype {p.type.dtype}; only float parameters can be trained")
+    if len({id(p) for p in params}) != len(params):
+        raise ValueError("the same parameter appears more than once in params")
+    return params
+
+
+def _const(value, dtype):
+    """A hyperparameter as a scalar of ``dtype`` (symbolic values are cast, not copied)."""
+    if isinstance(value, Variable):
+        return value if value.dtype == dtype else pt.cast(value, dtype)
+    return pt.constant(np.asarray(value, dtype=dtype))
+
+
+def _state_like(param, what, value=0.0):
+    """A shared variable shaped and typed like ``param``, filled with ``value``."""
+    v = param.get_value(borrow=True)
+    name = f"{param.name}_{what}" if param.name else what
+    return pytensor.shared(np.full(v.shape, value, dtype=v.dtype), name=name, shape=param.type.shape)
+
+
+def _cast_like(expr, var):
+    return expr if expr.dtype == var.dtype else pt.cast(expr, var.dtype)
+
+
+def _as_pairs(updates):
+    """Update list or dict -> list of (shared, expression)."""
+    if isinstance(updates, dict):
+        return list(updates.items())
+    pairs = [tuple(u) for u in updates]
+    for u in pairs:
+        if len(u) != 2:
+            raise TypeError(f"updates must be (shared_var, new_value) pairs; got {u!r}")
+    return pairs
+
+
+def vars_flat_size(variables):
+    """Total number of elements in the current values of shared ``variables``."""
+    return int(sum(v.get_value(borrow=True).size for v in variables))
+
+
+def flatten_vars(variables, dtype=None):
+    """One flat vector: the concatenation of every variable flattened (cast to ``dtype``)."""
+    variables = list(variables)
+    dtype = dtype or upcast(*[v.dtype for v in variables])
+    flat = [pt.cast(v, dtype).flatten() if v.dtype != dtype else v.flatten() for v in variables]
+    return flat[0] if len(flat) == 1 else pt.concatenate(flat)
+
+
+def unflatten_vars(flat_var, like):
+    """Slices of ``flat_var`` reshaped (and cast) like the current values of shared ``like``."""
+    out, start = [], 0
+    for v in like:
+        val = v.get_value(borrow=True)
+        stop = start + val.size
+        piece = flat_var[start:stop].reshape(val.shape, ndim=val.ndim)
+        out.append(_cast_like(piece, v))
+        start = stop
+    return out
+
+
+def flat_unflat_grads(loss, params):
+    """``(grad_shared, flat_grad, grads)``: the flat shared gradient vector (zeros, dtype of
+    the params), the symbolic concatenated gradient, and per-parameter gradients read from
+    ``grad_shared`` (what parameter updates use, after the all-reduce)."""
+    params = _check_params(params)
+    dtype = upcast(*[p.dtype for p in params])
+    flat_grad = flatten_vars(pytensor.grad(loss, params), dtype)
+    grad_shared = pytensor.shared(np.zeros(vars_flat_size(params), dtype=dtype), name="flat_grad_s")
+    return grad_shared, flat_grad, unflatten_vars(grad_shared, params)
+
+
+def _prepare(loss, params):
+    params = _check_params(params)
+    grad_shared, flat_grad, grads = flat_unflat_grads(loss, params)
+    return params, grads, [(grad_shared, flat_grad)], grad_shared
+
+
+# ------------------------------------------------------------------------------------------
+# Momentum (apply to any list of parameter updates)
+
+
+def _momentum_params(updates, params, momentum):
+    # Lasagne's signature is (updates, params=None, momentum=0.9); the original synkhronos
+    # took (param_updates, momentum=0.9): a number in second place is the momentum.
+    if params is not None and not isinstance(params, (list, tuple)) and not isinstance(params, SharedVariable):
+        params, momentum = None, params
+    pairs = _as_pairs(updates)
+    if params is None:
+        params = [p for p, _ in pairs]
+    elif isinstance(params, SharedVariable):
+        params = [params]
+    return pairs, list(params), momentum
+
+
+def apply_momentum(updates, params=None, momentum=0.9):
+    """Add classical momentum to parameter ``updates`` (list of pairs or dict): for each
+    param, ``x = momentum * velocity + updates[param]``, ``velocity <- x - param``,
+    ``param <- x``.  ``params`` (default: all updated variables) selects which.  Returns a
+    new list of pairs."""
+    pairs, params, momentum = _momentum_params(updates, params, momentum)
+    new = OrderedDict(pairs)
+    for p in params:
+        if p not in new:
+            raise ValueError(f"parameter {p} has no update to apply momentum to")
+        m = _const(momentum, p.dtype)
+        velocity = _state_like(p, "velocity")
+        x = _cast_like(m * velocity + new[p], p)
+        new[velocity] = _cast_like(x - p, p)
+        new[p] = x
+    return list(new.items())
+
+
+def apply_nesterov_momentum(updates, params=None, momentum=0.9):
+    """Add Nesterov momentum to parameter ``updates``: for each param,
+    ``x = momentum * velocity + updates[param] - param``, ``velocity <- x``,
+    ``param <- momentum * x + updates[param]``.  Returns a new list of pairs."""
+    pairs, params, momentum = _momentum_params(updates, params, momentum)
+    new = OrderedDict(pairs)
+    for p in params:
+        if p not in new:
+            raise ValueError(f"parameter {p} has no update to apply momentum to")
+        m = _const(momentum, p.dtype)
+        velocity = _state_like(p, "velocity")
+        x = _cast_like(m * velocity + new[p] - p, p)
+        new[velocity] = x
+        new[p] = _cast_like(m * x + new[p], p)
+    return list(new.items())
+
+
+# ------------------------------------------------------------------------------------------
+# Rules: each returns (grad_updates, param_updates, grad_shared)
+
+
+def sgd(loss, params, learning_rate):
+    """Stochastic gradient descent: ``param <- param - learning_rate * grad``."""
+    params, grads, grad_updates, grad_shared = _prepare(loss, params)
+    param_updates = []
+    for p, g in zip(params, grads):
+        lr = _const(learning_rate, p.dtype)
+        param_updates.append((p, _cast_like(p - lr * g, p)))
+    return grad_updates, param_updates, grad_shared
+
+
+def momentum(loss, params, learning_rate, momentum=0.9):
+    """SGD with classical momentum (``sgd`` then ``apply_momentum``)."""
+    grad_updates, param_updates, grad_shared = sgd(loss, params, learning_rate)
+    return grad_updates, apply_momentum(param_updates, momentum=momentum), grad_shared
+
+
+def nesterov_momentum(loss, params, learning_rate, momentum=0.9):
+    """SGD with Nesterov momentum (``sgd`` then ``apply_nesterov_momentum``)."""
+    grad_updates, param_updates, grad_shared = sgd(loss, params, learning_rate)
+    return grad_updates, apply_nesterov_momentum(param_updates, momentum=momentum), grad_shared
+
+
+def adagrad(loss, params, learning_rate=1.0, epsilon=1e-6):
+    """Adagrad: ``accu <- accu + grad**2``, ``param <- param - lr * grad / sqrt(accu + eps)``."""
+    params, grads, grad_updates, grad_shared = _prepare(loss, params)
+    param_updates = []
+    for p, g in zip(params, grads):
+        lr, eps = _const(learning_rate, p.dtype), _const(epsilon, p.dtype)
+        accu = _state_like(p, "accu")
+        accu_new = _cast_like(accu + g ** 2, p)
+        param_updates.append((accu, accu_new))
+        param_updates.append((p, _cast_like(p - lr * g / pt.sqrt(accu_new + eps), p)))
+    return grad_updates, param_updates, grad_shared
+
+
+def rmsprop(loss, params, learning_rate=1.0, rho=0.9, epsilon=1e-6):
+    """RMSProp: ``accu <- rho * accu + (1 - rho) * grad**2``,
+    ``param <- param - lr * grad / sqrt(accu + eps)``."""
+    params, grads, grad_updates, grad_shared = _prepare(loss, params)
+    param_updates = []
+    for p, g in zip(params, grads):
+        lr, r, eps = (_const(v, p.dtype) for v in (learning_rate, rho, epsilon))
+        one = _const(1, p.dtype)
+        accu = _state_like(p, "accu")
+        accu_new = _cast_like(r * accu + (one - r) * g ** 2, p)
+        param_updates.append((accu, accu_new))
+        param_updates.append((p, _cast_like(p - lr * g / pt.sqrt(accu_new + eps), p)))
+    return grad_updates, param_updates, grad_shared
+
+
+def adadelta(loss, params, learning_rate=1.0, rho=0.95, epsilon=1e-6):
+    """Adadelta: ``accu <- rho * accu + (1 - rho) * grad**2``,
+    ``step = grad * sqrt(delta_accu + eps) / sqrt(accu + eps)``, ``param <- param - lr * step``,
+    ``delta_accu <- rho * delta_accu + (1 - rho) * step**2``."""
+    params, grads, grad_updates, grad_shared = _prepare(loss, params)
+    param_updates = []
+    for p, g in zip(params, grads):
+        lr, r, eps = (_const(v, p.dtype) for v in (learning_rate, rho, epsilon))
+        one = _const(1, p.dtype)
+        accu = _state_like(p, "accu")
+        delta_accu = _state_like(p, "delta_accu")
+        accu_new = _cast_like(r * accu + (one - r) * g ** 2, p)
+        step = g * pt.sqrt(delta_accu + eps) / pt.sqrt(accu_new + eps)
+        param_updates.append((accu, accu_new))
+        param_updates.append((p, _cast_like(p - lr * step, p)))
+        param_updates.append((delta_accu, _cast_like(r * delta_accu + (one - r) * step ** 2, p)))
+    return grad_updates, param_updates, grad_shared
+
+
+def _time_step(dtype):
+    """Adam's step counter: ``(t_prev, t)`` with ``t = t_prev + 1`` (updated once per step)."""
+    t_prev = pytensor.shared(np.asarray(0, dtype=dtype), name="t_prev")
+    return t_prev, t_prev + _const(1, dtype)
+
+
+def adam(loss, params, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8):
+    """Adam: ``m <- b1 m + (1 - b1) g``, ``v <- b2 v + (1 - b2) g**2``,
+    ``param <- param - lr sqrt(1 - b2**t) / (1 - b1**t) * m / (sqrt(v) + eps)``."""
+    params, grads, grad_updates, grad_shared = _prepare(loss, params)
+    t_prev, t = _time_step(grad_shared.dtype)
+    param_updates = []
+    for p, g in zip(params, grads):
+        dt = p.dtype
+        lr, b1, b2, eps = (_const(v, dt) for v in (learning_rate, beta1, beta2, epsilon))
+        one, tt = _const(1, dt), _cast_like(t, p)
+        a_t = lr * pt.sqrt(one - b2 ** tt) / (one - b1 ** tt)
+        m_prev, v_prev = _state_like(p, "m"), _state_like(p, "v")
+        m_t = _cast_like(b1 * m_prev + (one - b1) * g, p)
+        v_t = _cast_like(b2 * v_prev + (one - b2) * g ** 2, p)
+        param_updates.append((m_prev, m_t))
+        param_updates.append((v_prev, v_t))
+        param_updates.append((p, _cast_like(p - a_t * m_t / (pt.sqrt(v_t) + eps), p)))
+    param_updates.append((t_prev, t))      # once, whatever the number of parameters
+    return grad_updates, param_updates, grad_shared
+
+
+def adamax(loss, params, learning_rate=0.002, beta1=0.9, beta2=0.999, epsilon=1e-8):
+    """Adamax: ``m <- b1 m + (1 - b1) g``, ``u <- max(b2 u, |g|)``,
+    ``param <- param - lr / (1 - b1**t) * m / (u + eps)``."""
+    params, grads, grad_updates, grad_shared = _prepare(loss, params)
+    t_prev, t = _time_step(grad_shared.dtype)
+    param_updates = []
+    for p, g in zip(params, grads):
+        dt = p.dtype
+        lr, b1, b2, eps = (_const(v, dt) for v in (learning_rate, beta1, beta2, epsilon))
+        one, tt = _const(1, dt), _cast_like(t, p)
+        a_t = lr / (one - b1 ** tt)
+        m_prev, u_prev = _state_like(p, "m"), _state_like(p, "u")
+        m_t = _cast_like(b1 * m_prev + (one - b1) * g, p)
+        u_t = _cast_like(pt.maximum(b2 * u_prev, abs(g)), p)
+        param_updates.append((m_prev, m_t))
+        param_updates.append((u_prev, u_t))
+        param_updates.append((p, _cast_like(p - a_t * m_t / (u_t + eps), p)))
+    param_updates.append((t_prev, t))
+    return grad_updates, param_updates, grad_shared
