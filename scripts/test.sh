@@ -29,7 +29,7 @@ if [[ $rc -eq 5 ]]; then
 fi
 
 leak=0
-shm="$(find /dev/shm -maxdepth 1 -name 'synk*' -user "$(id -u)" 2>/dev/null || true)"
+shm="$(find /dev/shm -maxdepth 1 \( -name 'synk*' -o -name 'sem.synk*' \) -user "$(id -u)" 2>/dev/null || true)"
 if [[ -n "$shm" ]]; then
     echo "synkhronos test: leaked shared memory entries:" >&2
     ls -l $shm >&2 || true

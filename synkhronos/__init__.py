@@ -8,7 +8,8 @@
 """
 import sys as _sys
 
-from .runtime import fork, close
+from .runtime import fork, close, debug_log
+from .debug import DebugMismatch
 from .data import data, Data
 from .function import function, distribute, Function
 from .errors import SynkError, WorkerError, WorkerDied
@@ -21,4 +22,4 @@ __version__ = "0.1.0"
 __all__ = ["fork", "close", "data", "Data", "function", "distribute", "Function",
            "broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
            "set_value", "get_value", "get_lengths", "get_shapes",
-           "SynkError", "WorkerError", "WorkerDied"]
+           "SynkError", "WorkerError", "WorkerDied", "DebugMismatch", "debug_log"]

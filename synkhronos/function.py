@@ -512,6 +512,10 @@ def distribute():
     sys.setrecursionlimit(max(old, 50000))
     try:
         payload = pickle.dumps((cores, shareds), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:
+        raise TypeError(f"synk.distribute() could not pickle the functions for the workers: {e!r}. "
+                        "Every op and shared value must be picklable (ops defined in __main__ "
+                        "must be importable by the workers: put them in a module).") from e
     finally:
         sys.setrecursionlimit(old)
     slc = {id(v) for f in rt.functions for v in f._sliceable}

@@ -14,6 +14,8 @@ import time
 import weakref
 
 from . import shm
+from .debug import compare, fingerprint
+from .debug import enabled as debug_enabled
 from .device import select_device
 from .errors import Aborted, WorkerDied, WorkerError
 from .transport import ShmTransport
@@ -30,13 +32,15 @@ class _Dead(Exception):
 class Runtime:
     """State of one fork() … close() session in the master."""
 
-    def __init__(self, device, master_rank, profile_workers=False):
+    def __init__(self, device, master_rank, profile_workers=False, debug=False):
         self.device = device
         self.n = device.n
         self.rank = master_rank
         self.master_rank = master_rank
         self.prefix = shm.new_prefix()
         self.profile_workers = profile_workers
+        self.debug = debug
+        self.debug_log = []            # per command: {rank: fingerprint} (debug mode only)
         self.procs = {}
         self.transport = None
         self.closed = False
@@ -56,7 +60,8 @@ class Runtime:
         pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         cfg = dict(prefix=self.prefix, n=self.n, master_rank=self.master_rank,
                    master_pid=os.getpid(), device=self.device.kind,
-                   sys_path=[p for p in sys.path if p], profile=self.profile_workers)
+                   sys_path=[p for p in sys.path if p], profile=self.profile_workers,
+                   debug=self.debug)
         try:
             self.transport = ShmTransport(self.prefix, self.n, self.rank, self.master_rank, create=True)
             for r in self.transport.workers:
@@ -178,6 +183,8 @@ class Runtime:
             if name != "call":
                 self.sliceable_lengths.clear()     # a collective may change workers' lengths
             forget, self.forget = self.forget, []
+            if self.debug:
+                fp = fingerprint(t.seq + 1, name, args, self.shareds)
             t.send((name, args, forget))
             self.inflight = True
             if local is not None:
@@ -201,6 +208,11 @@ class Runtime:
                 self.shutdown(graceful=False)
             raise WorkerDied(d.rank, d.returncode, what) from None
         errors = {r: rep[1] for r, rep in replies.items() if rep[0] == "err"}
+        if self.debug:
+            fps = {r: rep[2] if len(rep) > 2 else None for r, rep in replies.items()}
+            fps[self.rank] = fp
+            self.debug_log.append(fps)
+            compare(self.rank, fps)
         if t.aborted() or errors or local_exc is not None:
             t.drain()
         if isinstance(local_exc, Aborted) and errors:
@@ -225,13 +237,15 @@ def get_runtime(require_distributed=False):
 
 
 def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
-         max_n_var=None, max_dim=None, timeout=120.0):
+         max_n_var=None, max_dim=None, timeout=120.0, debug=None):
     """Start one worker process per extra device; the master process is rank ``master_rank``.
 
     ``n_parallel=None`` uses every usable device (CPU cores here); each process gets its
     share of BLAS/numba threads.  ``use_gpu=None`` means GPUs if present, else CPU.
     ``max_n_var`` and ``max_dim`` are accepted for compatibility and not needed (no fixed-size
-    buffers).  Returns the number of ranks."""
+    buffers).  ``debug`` (default: env ``SYNK_DEBUG``) fingerprints every command on every
+    rank and reports the first rank that disagrees (see ``synkhronos.debug``).
+    Returns the number of ranks."""
     global _runtime
     if IN_WORKER:
         raise RuntimeError("synk.fork() cannot be called inside a synkhronos worker")
@@ -240,7 +254,7 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
     device = select_device(n_parallel, use_gpu)
     if isinstance(master_rank, bool) or not isinstance(master_rank, int) or not 0 <= master_rank < device.n:
         raise ValueError(f"master_rank must be an int in [0, {device.n - 1}], got {master_rank!r}")
-    rt = Runtime(device, master_rank, profile_workers)
+    rt = Runtime(device, master_rank, profile_workers, debug_enabled(debug))
     _runtime = rt
     try:
         rt.start(timeout)
@@ -249,6 +263,12 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
         raise
     print(f"Synkhronos: {device.describe()}, master rank {master_rank}.", flush=True)
     return device.n
+
+
+def debug_log():
+    """Fingerprints of every command so far ({rank: fingerprint} each), in debug mode."""
+    rt = _runtime
+    return [] if rt is None else list(rt.debug_log)
 
 
 def close():

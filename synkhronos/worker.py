@@ -10,6 +10,7 @@ import traceback
 
 from . import runtime, shm
 from .commands import HANDLERS, worker_command
+from .debug import fingerprint
 from .errors import Aborted, MasterDied
 from .transport import ShmTransport
 
@@ -59,6 +60,7 @@ def _quit(ctx):
 def serve(cfg):
     transport = ShmTransport(cfg["prefix"], cfg["n"], cfg["rank"], cfg["master_rank"], create=False)
     ctx = WorkerContext(cfg, transport)
+    debug = cfg.get("debug", False)
     try:
         from .device import CpuDevice
         CpuDevice(cfg["n"]).init_worker(cfg["rank"])
@@ -75,7 +77,10 @@ def serve(cfg):
             shm.remove_all(ctx.prefix)
             return 0
         ctx.forget(forget)
+        fp = None
         try:
+            if debug:
+                fp = fingerprint(transport.seq, name, args, ctx.shareds)
             reply = ("ok", HANDLERS[name](ctx, *args))
         except Aborted:
             reply = ("aborted", None)
@@ -85,6 +90,8 @@ def serve(cfg):
         except BaseException:
             transport.abort_from_worker()
             reply = ("err", traceback.format_exc())
+        if debug:
+            reply = reply + (fp,)
         try:
             transport.reply(reply)
         except BaseException:
