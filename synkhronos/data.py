@@ -164,9 +164,9 @@ class Data:
     def _reshape(self, shape, oversize, keep):
         oversize = _check_oversize(oversize)
         rt = self._check_open()
-        if tuple(shape) == self._arr.shape:
-            return
         size = math.prod(shape)
+        if tuple(shape) == self._arr.shape and (self._seg is not None or size == 0):
+            return
         if size <= self._alloc:
             old = self._arr
             self._arr = self._seg.array(self._dtype, shape) if size else np.empty(shape, self._dtype)

@@ -5,6 +5,7 @@ then executes commands until told to quit.  It checks every half second that its
 is still alive; when the master is gone it removes the session's segments and exits."""
 import json
 import os
+import signal
 import sys
 import traceback
 
@@ -102,6 +103,9 @@ def serve(cfg):
 
 
 def main():
+    # Ctrl-C in a terminal reaches the whole process group: only the master acts on it
+    # (it aborts the command in flight); workers follow the master, or exit when it dies.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     cfg = json.loads(sys.argv[1])
     runtime.IN_WORKER = True
     for p in reversed(cfg.get("sys_path", [])):
