@@ -42,7 +42,7 @@ class Core:
 
     def run(self, rank, arrays, plan, worker):
         """Compute this rank's share of a call.  Returns ``(outputs, rows)``, ``None`` if empty."""
-        kind, bounds, base, idx, mbs, sel_s, num_slices, wanted = plan
+        kind, bounds, base, idx, mbs, sel_s, num_slices, send = plan
         a, b = bounds[rank], bounds[rank + 1]
         ns = self.n_scatter
         scat, bcast = arrays[:ns], arrays[ns:]
@@ -74,6 +74,8 @@ class Core:
             rows = len(sel_idx)
         else:
             sel_idx = None
+            if rows is None and self.sliceable:     # whole local sliceable shareds: weight by rows
+                rows = self._sliceable_length()
         if rows == 0:
             return None
         if num_slices <= 1 or rows is None:
@@ -84,9 +86,8 @@ class Core:
         for var, val in zip(self.update_vars, outs[n_out:]):
             var.container.storage[0] = val
         res = outs[:n_out]
-        if wanted is not None or worker:
-            res = [o if (wanted is None or wanted[i]) and not (worker and self.modes[i] is None) else None
-                   for i, o in enumerate(res)]
+        if worker and send is not None:      # outputs the master will not use stay here
+            res = [o if send[i] else None for i, o in enumerate(res)]
         return res, (1 if rows is None else rows)
 
     def _sliceable_length(self):
@@ -362,19 +363,17 @@ class Function:
         core = self._core
 
         def local():
-            res = core.run(me, arrays, (kind, bounds, base, idx_local, mbs, sel_s, num_slices, wanted), False)
-            if res is None and total == 0:
-                return self._run_empty(arrays)
-            return res
+            return core.run(me, arrays, (kind, bounds, base, idx_local, mbs, sel_s, num_slices, None), False)
 
         master_first = variant not in self._warm and (total is None or bounds[me + 1] > bounds[me])
-        wplan = (kind, bounds, base, idx_desc, mbs, sel_s, num_slices, wanted)
+        send = self._send_mask(wanted, self._master_has_rows(ns, bounds, sel_s))
+        wplan = (kind, bounds, base, idx_desc, mbs, sel_s, num_slices, send)
         mine, theirs = rt.execute("call", (core.fid, descs, wplan), local, master_first,
                                   what=f"call of function {self.name or core.fid}")
         self._warm.add(variant)
         if self._updates_sliceable:
             rt.sliceable_lengths.clear()
-        return self._collect(mine, theirs, wanted)
+        return self._collect(mine, theirs, wanted, arrays, variant)
 
     def _check_sliceable(self, sel_s, bounds):
         """Check batch_s against every rank's sliceable-shared lengths, in the master.
@@ -407,11 +406,15 @@ class Function:
                                      f"shareds give {srows}; their per-rank lengths must agree "
                                      "(use batch / batch_s to select matching rows)")
 
-    def _run_empty(self, arrays):
-        """Every shard is empty: compute once on the empty input, as serial PyTensor would."""
+    def _run_empty(self, arrays, variant):
+        """Every shard is empty: compute once on the empty input, as serial PyTensor would
+        (updates are not applied)."""
         ns = self._core.n_scatter
         scat = [x[:0] for x in arrays[:ns]]
-        outs = self._core.f(*scat, *arrays[ns:])
+        if variant == "s":
+            outs = self._core.f_s(*scat, *arrays[ns:], np.zeros(0, np.int64))
+        else:
+            outs = self._core.f(*scat, *arrays[ns:])
         return outs[:self._core.n_out], 0
 
     def _subset(self, output_subset):
@@ -428,11 +431,31 @@ class Function:
         self._subset_order = [int(i) for i in output_subset]
         return tuple(i in set(output_subset) for i in range(n_out))
 
-    def _collect(self, mine, theirs, wanted):
+    def _master_has_rows(self, ns, bounds, sel_s):
+        me = self._rt.rank
+        if ns:
+            return bounds[me + 1] > bounds[me]
+        if self._sliceable:
+            if sel_s is not None:
+                return sc.sel_length(sel_s[me], 0) > 0
+            return self._core._sliceable_length() > 0
+        return True
+
+    def _send_mask(self, wanted, master_has_rows):
+        """Which outputs workers send back: the requested ones, except mode None outputs
+        (the master's own result) unless the master has no rows."""
+        mask = tuple((wanted is None or wanted[i]) and (m is not None or not master_has_rows)
+                     for i, m in enumerate(self._output_modes))
+        return None if all(mask) else mask
+
+    def _collect(self, mine, theirs, wanted, arrays, variant):
         rt = self._rt
         results = dict(theirs)
         results[rt.rank] = mine
         order = [r for r in range(rt.n) if results.get(r) is not None]
+        if not order:           # no rank had rows: compute once on empty input, as serial would
+            results[rt.rank] = self._run_empty(arrays, variant)
+            order = [rt.rank]
         n_out = self._core.n_out
         idxs = range(n_out) if wanted is None else self._subset_order
         outs = []
@@ -552,6 +575,6 @@ def _w_distribute(ctx, payload):
 def _w_call(ctx, fid, descs, plan):
     core = ctx.functions[fid]
     arrays = [ctx.view(d) for d in descs]
-    kind, bounds, base, idx_desc, mbs, sel_s, num_slices, wanted = plan
+    kind, bounds, base, idx_desc, mbs, sel_s, num_slices, send = plan
     idx = None if idx_desc is None else ctx.view(idx_desc)
-    return core.run(ctx.rank, arrays, (kind, bounds, base, idx, mbs, sel_s, num_slices, wanted), True)
+    return core.run(ctx.rank, arrays, (kind, bounds, base, idx, mbs, sel_s, num_slices, send), True)

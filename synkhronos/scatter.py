@@ -11,12 +11,20 @@ def split(total, n, start=0):
     return tuple(start + (r * total) // n for r in range(n + 1))
 
 
+_INT64_MAX = np.iinfo(np.int64).max
+
+
 def _is_int(x):
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def index_array(sel, what):
     """A 1-D int64 array from a list/tuple/array of integers, or TypeError/ValueError."""
+    if isinstance(sel, (list, tuple)) and all(_is_int(i) for i in sel):
+        vals = [int(i) for i in sel]          # mixed numpy int types would promote to float
+        if vals and max(vals) > _INT64_MAX:
+            raise IndexError(f"{what} index {max(vals)} is out of range")
+        sel = np.array(vals, dtype=np.int64)
     arr = np.asarray(sel)
     if arr.size == 0:
         arr = arr.astype(np.int64).reshape(-1) if arr.ndim <= 1 else arr
@@ -24,6 +32,8 @@ def index_array(sel, what):
         raise TypeError(f"{what} index list must contain integers, got dtype {arr.dtype}")
     if arr.ndim != 1:
         raise ValueError(f"{what} index array must be 1-dimensional, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind == "u" and arr.max() > _INT64_MAX:
+        raise IndexError(f"{what} index {arr.max()} is out of range")
     if arr.size and arr.min() < 0:
         raise IndexError(f"{what} has a negative index ({arr.min()}); indices must be in [0, length)")
     return np.ascontiguousarray(arr, dtype=np.int64)
