@@ -1,29 +1,48 @@
 """Collectives on shared variables through shared memory (CPU backend).
 
 Every rank keeps, for each shared variable it has taken part in a collective with, a
-*slot*: a segment of its own that holds the variable's value, and the variable's storage
-is re-pointed at that slot.  A collective then works on the slots directly:
+*slot*: a segment of its own that can hold the variable's value, and after a collective
+that leaves the whole value there the variable's storage is re-pointed at that slot.  A
+collective then works on the slots directly:
 
-* ``all_reduce``: rank r reduces chunk r of every rank's slot (reduce-scatter) and writes
-  the result into chunk r of every slot (all-gather), in cache-sized blocks, so each rank
-  reads and writes the buffer once in total, like one ``np.copyto`` split over the ranks;
-* ``broadcast``: every worker copies the master's slot into its own, once;
-* ``gather``/``reduce``: the master reads the workers' slots where they lie.
+* ``all_reduce``: rank r reduces chunk r of every rank's value (reduce-scatter) and writes
+  the result into chunk r of every slot (all-gather), block by block while the block is in
+  cache, so each rank reads and writes the buffer about once in total, like one
+  ``np.copyto`` split over the ranks;
+* ``reduce``: the same, writing only into the master's slot (or a result buffer);
+* ``broadcast``: every worker copies the master's slot into its own (large values: every
+  rank copies one chunk into every worker's slot);
+* ``gather``/``get_value``: the master reads the workers' slots where they lie.
 
 When a function update has replaced a variable's storage with a new array, the value is
-first copied into the slot ("copy-in"); collectives always act on the live value.
-``avg`` of integers is the float64 mean rounded to nearest (half to even), dtype kept."""
+first copied into the slot ("copy-in"): for ``all_reduce``/``reduce`` only the chunks that
+other ranks read, the rank's own chunk is read from the live array.  Collectives always act
+on the live value.  ``avg`` is the sum times 1/n; for integer and bool dtypes it is the
+float64 mean rounded to nearest (half to even), dtype kept; float16 sums and averages
+accumulate in float32.
+
+``gather`` returns exactly what each rank holds, in rank order: stacked (``nd_up=1``) or
+concatenated (``nd_up=0``) when the shapes allow it, else a list of per-rank arrays.
+
+Results: one variable gives one result, a list or tuple of variables gives a tuple.
+``nccl=`` is accepted everywhere for compatibility; the CPU backend has no faster path.
+Everything the master can check (ranks, variables, ops, dtypes, ndims, static shapes) is
+checked before any worker is involved; what only the ranks can see together (unequal shapes
+for a reduction) raises in every rank, leaving the variables as they were."""
 import numpy as np
 
 from . import scatter as sc
 from . import shm
 from .commands import worker_command
 from .data import Data, condition
-from .reduce import REDUCE_OPS, check_mode, combine
+from .reduce import REDUCE_OPS, check_mode
 from .runtime import get_runtime
 
 MAXD = 16
-_BLOCK_BYTES = 1 << 18
+_TMP_BLOCK_BYTES = 1 << 18       # widened (float32/float64) accumulation blocks
+_BLOCK_BYTES = 1 << 17           # in-place reduction blocks (per source), cache-resident
+_SPLIT_BCAST_BYTES = 1 << 20     # broadcast of at least this much: every rank copies a chunk
+_ALIGN = 64                      # chunk boundaries on cache lines
 _BINARY = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
 
 
@@ -50,38 +69,42 @@ class Slots:
         self.own[vid] = entry = (gen, seg, addr)
         return entry
 
-    def publish(self, vid, var, value=None):
-        """Make this rank's slot hold ``value`` (default: the live value), point the variable's
-        storage at it, and publish its shape.  Returns the slot view."""
-        live = var.container.storage[0] if value is None else value
-        live = np.asarray(live)
-        if live.ndim > MAXD:
-            raise ValueError(f"collectives support up to {MAXD} dimensions, got {live.ndim}")
-        gen, seg, addr = self._own_slot(vid, live.nbytes)
-        dtype = np.dtype(var.type.dtype)
-        if not (value is None and live.dtype == dtype and live.flags.c_contiguous
-                and live.__array_interface__["data"][0] == addr):
-            view = seg.array(dtype, live.shape)
-            np.copyto(view, live, casting="unsafe" if value is not None else "same_kind")
-        else:
-            view = live
-        var.container.storage[0] = view
-        row = self.table[vid, self.rank]
-        row[2:2 + live.ndim] = live.shape
-        row[1] = live.ndim
-        row[0] = gen
-        return view
-
-    def resize(self, vid, var, shape):
-        """Point the variable at a slot view of ``shape`` (contents undefined) and publish it."""
-        dtype = np.dtype(var.type.dtype)
-        gen, seg, _ = self._own_slot(vid, int(np.prod(shape)) * dtype.itemsize)
-        view = seg.array(dtype, shape)
-        var.container.storage[0] = view
+    def _announce(self, vid, gen, shape):
         row = self.table[vid, self.rank]
         row[2:2 + len(shape)] = shape
         row[1] = len(shape)
         row[0] = gen
+
+    def holds(self, vid, arr, dtype):
+        """Whether ``arr`` is exactly this rank's slot of ``vid`` (no copy-in needed)."""
+        cur = self.own.get(vid)
+        return (cur is not None and arr.dtype == dtype and arr.flags.c_contiguous
+                and arr.__array_interface__["data"][0] == cur[2] and arr.nbytes <= cur[1].size)
+
+    def ensure(self, vid, dtype, shape):
+        """This rank's slot of ``vid`` as an array of ``shape`` (contents kept only if the
+        allocation is reused), published in the table."""
+        shape = tuple(int(s) for s in shape)
+        if len(shape) > MAXD:
+            raise ValueError(f"collectives support up to {MAXD} dimensions, got {len(shape)}")
+        gen, seg, _ = self._own_slot(vid, int(np.prod(shape)) * dtype.itemsize)
+        self._announce(vid, gen, shape)
+        return seg.array(dtype, shape)
+
+    def publish(self, vid, var, value=None):
+        """Make this rank's slot hold ``value`` (default: the live value), point the variable's
+        storage at it, and publish its shape.  Returns the slot view."""
+        dtype = np.dtype(var.type.dtype)
+        live = np.asarray(var.container.storage[0] if value is None else value)
+        if value is None and self.holds(vid, live, dtype):
+            self._announce(vid, self.own[vid][0], live.shape)
+            return live
+        cur = self.own.get(vid)
+        if cur is not None and _overlaps(live, cur[1]):
+            live = np.array(live, copy=True)          # a view of the slot itself
+        view = self.ensure(vid, dtype, live.shape)
+        np.copyto(view, live, casting="unsafe" if value is not None else "same_kind")
+        var.container.storage[0] = view
         return view
 
     def shape(self, vid, rank):
@@ -102,6 +125,13 @@ class Slots:
         return seg.array(dtype, self.shape(vid, rank))
 
 
+def _overlaps(arr, seg):
+    if arr.size == 0:
+        return False
+    base = np.frombuffer(seg.mm, np.uint8)
+    return np.may_share_memory(arr, base)
+
+
 class Env:
     """What a collective needs from the rank it runs in (master or worker)."""
 
@@ -111,28 +141,73 @@ class Env:
         self.is_master = rank == master_rank
 
 
-def _chunks(size, n):
-    return sc.split(size, n)
+def _chunks(size, n, itemsize):
+    """Chunk boundaries of ``size`` items over ``n`` ranks, on cache-line multiples."""
+    q = max(1, _ALIGN // max(1, itemsize))
+    nq = -(-size // q)
+    b = [min(size, (r * nq // n) * q) for r in range(n + 1)]
+    b[-1] = size
+    return b
+
+
+def _wide(op, dtype):
+    """The accumulation dtype when it differs from ``dtype`` (else None)."""
+    if op == "avg" and dtype.kind in "biu":
+        return np.dtype(np.float64)
+    if dtype == np.float16 and op in ("sum", "avg"):
+        return np.dtype(np.float32)
+    return None
+
+
+def _addr(a):
+    return a.__array_interface__["data"][0]
 
 
 def _reduce_chunk(op, srcs, dsts, a, b, n, dtype):
-    """Reduce elements [a, b) of the flat ``srcs`` into every flat ``dsts``, block by block."""
+    """Reduce elements [a, b) of the flat ``srcs`` (rank order) into every flat ``dsts``.
+
+    Exact-dtype ops accumulate straight into the first destination (when that is safe:
+    it is srcs[0], srcs[1] or no source at all) and copy the block to the others while it is
+    in cache; widened ops go through a small temporary block."""
     if b <= a:
         return
+    if len(srcs) == 1:                       # one rank: the value itself
+        for d in dsts:
+            if _addr(d) != _addr(srcs[0]):
+                np.copyto(d[a:b], srcs[0][a:b])
+        return
     fn = _BINARY[op]
-    wide = dtype
-    if op == "avg":
-        wide = np.dtype(np.float64) if dtype.kind in "biu" else (
-            np.dtype(np.float32) if dtype == np.float16 else dtype)
-    elif dtype == np.float16 and op == "sum":
-        wide = np.dtype(np.float32)
-    blk = max(1024, _BLOCK_BYTES // max(1, wide.itemsize))
-    tmp = np.empty(min(blk, b - a), wide)
     scale = 1.0 / n
+    wide = _wide(op, dtype)
+    d0 = None
+    if wide is None:
+        late = {_addr(s) for s in srcs[2:]}
+        for i, d in enumerate(dsts):
+            if _addr(d) not in late:
+                d0 = d
+                others = dsts[:i] + dsts[i + 1:]
+                break
+    if d0 is not None:
+        blk = max(4096, _BLOCK_BYTES // dtype.itemsize)
+        s0, s1, rest = srcs[0], srcs[1], srcs[2:]
+        for s in range(a, b, blk):
+            e = min(b, s + blk)
+            t = d0[s:e]
+            fn(s0[s:e], s1[s:e], out=t)
+            for x in rest:
+                fn(t, x[s:e], out=t)
+            if op == "avg":
+                t *= scale
+            for o in others:
+                np.copyto(o[s:e], t)
+        return
+    wide = wide or dtype
+    blk = max(1024, _TMP_BLOCK_BYTES // wide.itemsize)
+    tmp = np.empty(min(blk, b - a), wide)
     for s in range(a, b, blk):
         e = min(b, s + blk)
         t = tmp[:e - s]
-        if len(srcs) > 1 and wide == dtype:
+        if wide == dtype:
             fn(srcs[0][s:e], srcs[1][s:e], out=t)
             rest = srcs[2:]
         else:
@@ -141,9 +216,11 @@ def _reduce_chunk(op, srcs, dsts, a, b, n, dtype):
         for x in rest:
             fn(t, x[s:e], out=t, casting="unsafe")
         if op == "avg":
-            t *= scale
-            if dtype.kind in "biu":
+            if dtype.kind in "biu":          # the float64 mean, rounded half to even
+                np.divide(t, n, out=t)
                 np.rint(t, out=t)
+            else:
+                t *= scale
         for d in dsts:
             np.copyto(d[s:e], t, casting="unsafe")
 
@@ -154,52 +231,133 @@ def _run(env, op, vids, args):
     return _OPS[op](env, vids, *args)
 
 
-def _op_all_reduce(env, vids, op):
+def _live(var, dtype):
+    """The variable's live value as an array of its dtype."""
+    live = np.asarray(var.container.storage[0])
+    if live.dtype != dtype:
+        tmp = np.empty(live.shape, dtype)
+        np.copyto(tmp, live, casting="same_kind")
+        live = tmp
+    if live.ndim > MAXD:
+        raise ValueError(f"collectives support up to {MAXD} dimensions, got {live.ndim}")
+    return live
+
+
+def _stage_for_reduce(env, vid):
+    """Copy-in for a reduction: returns ``(own flat source, whether it is the slot)``.
+
+    If the live value is not the slot, every chunk but this rank's own is copied into the
+    slot (the others read those); this rank reads its own chunk from the live array."""
+    var = env.shareds[vid]
+    dtype = np.dtype(var.type.dtype)
+    slots = env.slots
+    raw = np.asarray(var.container.storage[0])
+    if slots.holds(vid, raw, dtype):
+        slots._announce(vid, slots.own[vid][0], raw.shape)
+        return raw.reshape(-1), True
+    live = _live(var, dtype)
+    cur = slots.own.get(vid)
+    if cur is not None and _overlaps(live, cur[1]):
+        live = np.array(live, copy=True)
+    view = slots.ensure(vid, dtype, live.shape).reshape(-1)
+    flat = np.ascontiguousarray(live).reshape(-1)
+    bounds = _chunks(flat.size, env.n, dtype.itemsize)
+    a, b = bounds[env.rank], bounds[env.rank + 1]
+    if a > 0:
+        np.copyto(view[:a], flat[:a])
+    if b < flat.size:
+        np.copyto(view[b:], flat[b:])
+    return flat, False
+
+
+def _check_equal_shapes(env, vids, what):
     for vid in vids:
-        env.slots.publish(vid, env.shareds[vid])
-    env.barrier()
-    for vid in vids:
-        var = env.shareds[vid]
-        dtype = np.dtype(var.type.dtype)
         shapes = [env.slots.shape(vid, r) for r in range(env.n)]
         if len(set(shapes)) > 1:
-            raise ValueError(f"all_reduce of {var} needs the same shape on every rank, got {shapes}")
-        views = [env.slots.view(vid, r, dtype).reshape(-1) for r in range(env.n)]
-        bounds = _chunks(views[0].size, env.n)
-        _reduce_chunk(op, views, views, bounds[env.rank], bounds[env.rank + 1], env.n, dtype)
+            raise ValueError(f"{what} of {env.shareds[vid]} needs the same shape on every rank, "
+                             f"got {shapes} (by rank)")
+
+
+def _op_all_reduce(env, vids, op):
+    if env.n == 1:
+        return
+    own = [_stage_for_reduce(env, vid) for vid in vids]
     env.barrier()
+    _check_equal_shapes(env, vids, "all_reduce")
+    for vid, (src, in_slot) in zip(vids, own):
+        var = env.shareds[vid]
+        dtype = np.dtype(var.type.dtype)
+        views = [env.slots.view(vid, r, dtype).reshape(-1) for r in range(env.n)]
+        srcs = list(views)
+        if not in_slot:
+            srcs[env.rank] = src
+        bounds = _chunks(src.size, env.n, dtype.itemsize)
+        _reduce_chunk(op, srcs, views, bounds[env.rank], bounds[env.rank + 1], env.n, dtype)
+        var.container.storage[0] = views[env.rank].reshape(env.slots.shape(vid, env.rank))
+    # no closing barrier: ranks write only the other slots' chunks of their own, and the
+    # master returns only once every worker has replied
 
 
 def _op_reduce(env, vids, op, dest_descs):
-    for vid in vids:
-        env.slots.publish(vid, env.shareds[vid])
+    if env.n == 1:
+        for vid, desc in zip(vids, dest_descs):
+            var = env.shareds[vid]
+            if desc is not None:
+                np.copyto(env.view(desc), _live(var, np.dtype(var.type.dtype)), casting="unsafe")
+        return
+    own = [_stage_for_reduce(env, vid) for vid in vids]
     env.barrier()
-    for vid, desc in zip(vids, dest_descs):
+    _check_equal_shapes(env, vids, "reduce")
+    for vid, desc, (src, in_slot) in zip(vids, dest_descs, own):
         var = env.shareds[vid]
         dtype = np.dtype(var.type.dtype)
-        shapes = [env.slots.shape(vid, r) for r in range(env.n)]
-        if len(set(shapes)) > 1:
-            raise ValueError(f"reduce of {var} needs the same shape on every rank, got {shapes}")
         views = [env.slots.view(vid, r, dtype).reshape(-1) for r in range(env.n)]
+        srcs = list(views)
+        if not in_slot:
+            srcs[env.rank] = src
         dest = views[env.master_rank] if desc is None else env.view(desc).reshape(-1)
-        bounds = _chunks(views[0].size, env.n)
-        _reduce_chunk(op, views, [dest], bounds[env.rank], bounds[env.rank + 1], env.n, dtype)
-    env.barrier()
+        bounds = _chunks(src.size, env.n, dtype.itemsize)
+        _reduce_chunk(op, srcs, [dest], bounds[env.rank], bounds[env.rank + 1], env.n, dtype)
+        if desc is None and env.is_master:
+            var.container.storage[0] = views[env.rank].reshape(env.slots.shape(vid, env.rank))
 
 
-def _op_broadcast(env, vids):
-    """Master's slots already hold the values (published before the command was sent)."""
-    if env.is_master:
+def _op_broadcast(env, vids, split):
+    """Master's slots already hold the values (published before the command was sent).
+
+    Small values: every worker copies the master's slot into its own.  Large values
+    (``split``): workers size their slots, then every rank copies chunk ``rank`` of the
+    master's slot into every worker's slot."""
+    if not split:
+        if env.is_master:
+            return
+        for vid in vids:
+            var = env.shareds[vid]
+            src = env.slots.view(vid, env.master_rank, np.dtype(var.type.dtype))
+            env.slots.publish(vid, var, src)
         return
-    for vid in vids:
-        var = env.shareds[vid]
-        src = env.slots.view(vid, env.master_rank, np.dtype(var.type.dtype))
-        env.slots.publish(vid, var, src)
-
-
-def _op_publish(env, vids):
-    """Workers copy their live values into their slots (for gather / get_value)."""
     if not env.is_master:
+        for vid in vids:
+            var = env.shareds[vid]
+            dtype = np.dtype(var.type.dtype)
+            var.container.storage[0] = env.slots.ensure(vid, dtype, env.slots.shape(vid, env.master_rank))
+    env.barrier()
+    for vid in vids:
+        dtype = np.dtype(env.shareds[vid].type.dtype)
+        src = env.slots.view(vid, env.master_rank, dtype).reshape(-1)
+        bounds = _chunks(src.size, env.n, dtype.itemsize)
+        a, b = bounds[env.rank], bounds[env.rank + 1]
+        if b <= a:
+            continue
+        for r in range(env.n):
+            if r != env.master_rank:
+                dst = env.slots.view(vid, r, dtype).reshape(-1)
+                np.copyto(dst[a:b], src[a:b])
+
+
+def _op_publish(env, vids, rank=None):
+    """Workers copy their live values into their slots (for gather / get_value)."""
+    if not env.is_master and (rank is None or rank == env.rank):
         for vid in vids:
             env.slots.publish(vid, env.shareds[vid])
 
@@ -215,10 +373,13 @@ def _op_all_gather(env, vids):
         parts = [env.slots.view(vid, r, dtype) for r in range(env.n)]
         if parts[0].ndim == 0 or len({p.shape[1:] for p in parts}) > 1:
             raise ValueError(f"all_gather of {var} concatenates along axis 0 and needs equal trailing "
-                             f"shapes of at least 1 dimension; got {[p.shape for p in parts]}")
-        results.append(np.concatenate(parts, axis=0))
+                             f"shapes of at least 1 dimension; got {[p.shape for p in parts]} (by rank)")
+        total = (sum(len(p) for p in parts),) + parts[0].shape[1:]
+        _check_static(var, total, "all_gather")
+        results.append(parts)
+    out = [np.concatenate(parts, axis=0) for parts in results]
     env.barrier()            # nobody reads slots any more: safe to overwrite
-    for vid, res in zip(vids, results):
+    for vid, res in zip(vids, out):
         env.slots.publish(vid, env.shareds[vid], res)
 
 
@@ -286,12 +447,28 @@ def _vars(rt, shared_vars):
     for v in vs:
         vid = rt.shared_ids.get(id(v))
         if vid is None:
-            raise ValueError(f"{v!r} is not a shared variable of any distributed synkhronos function; "
-                             "collectives only know variables used by functions built before distribute()")
+            what = getattr(v, "name", None) or repr(v)
+            raise ValueError(f"{what!s} is not a shared variable of any distributed synkhronos function: "
+                             "collectives only know the shared variables used (as inputs, outputs or "
+                             "update targets) by functions built with synk.function before "
+                             "synk.distribute()")
+        var = rt.shareds[vid]
+        if not (hasattr(var.type, "dtype") and hasattr(var.type, "ndim")):
+            raise TypeError(f"collectives work on tensor shared variables; {var} has type {var.type}")
         vids.append(vid)
     if len(set(vids)) != len(vids):
         raise ValueError("the same shared variable was given more than once")
     return vids, single
+
+
+def _check_static(var, shape, what):
+    static = getattr(var.type, "shape", None)
+    if static is None:
+        return
+    for ax, s in enumerate(static):
+        if s is not None and shape[ax] != s:
+            raise ValueError(f"{what}: {var} has static shape {static}, which a value of shape "
+                             f"{tuple(shape)} does not fit")
 
 
 def _values(rt, vids, values, single, what):
@@ -302,35 +479,51 @@ def _values(rt, vids, values, single, what):
     for vid, v in zip(vids, vals):
         var = rt.shareds[vid]
         if isinstance(v, Data):
+            if v._rt_ref() is not rt:
+                raise RuntimeError(f"{what}: the Data for {var} belongs to another (closed) "
+                                   "synkhronos session")
             if v.dtype != var.type.dtype or v.ndim != var.ndim:
                 raise TypeError(f"{what}: Data of dtype {v.dtype}, ndim {v.ndim} for {var} which has "
                                 f"dtype {var.type.dtype}, ndim {var.ndim}")
             out.append(v)
         else:
-            out.append(condition(v, var.type.dtype, var.ndim))
+            try:
+                out.append(condition(v, var.type.dtype, var.ndim))
+            except TypeError as e:
+                raise TypeError(f"{what}: value for {var}: {e}") from None
     return out
+
+
+def _scratch(rt, kind, i, dtype, shape):
+    """A reusable shared-memory buffer of ``shape`` for the ``i``-th value of ``kind``:
+    ``(descriptor for the workers, local array)``.  Backed by a flat Data, so 0-d values get
+    shared memory too."""
+    cache = getattr(rt, "coll_scratch", None)
+    if cache is None:
+        cache = rt.coll_scratch = {}
+    dtype = np.dtype(dtype)
+    size = int(np.prod(shape))
+    d = cache.get((kind, i))
+    if d is None or d.dtype != dtype:
+        d = cache[(kind, i)] = Data(dtype, 1, name=f"coll_{kind}", _rt=rt)
+    d._reshape((size,), 1.5 if size > d.alloc_size else 1, keep=False)
+    name = d._desc()[0]
+    return (name, dtype.str, tuple(shape)), d.data.reshape(shape)
 
 
 def _staged(rt, arrs):
     """Data descriptors for values: Data as they are, arrays copied into reusable staging."""
-    stage = getattr(rt, "coll_stage", None)
-    if stage is None:
-        stage = rt.coll_stage = []
     descs, locals_ = [], []
     for i, a in enumerate(arrs):
-        if isinstance(a, Data):
+        if isinstance(a, Data) and a.ndim > 0:
             descs.append(a._desc())
             locals_.append(a.data)
             continue
-        while len(stage) <= i:
-            stage.append(Data(a.dtype, a.ndim, name="coll_stage", _rt=rt))
-        d = stage[i]
-        if d.dtype != a.dtype or d.ndim != a.ndim:
-            d = stage[i] = Data(a.dtype, a.ndim, name="coll_stage", _rt=rt)
-        d._reshape(a.shape, 1.5 if a.size > d.alloc_size else 1, keep=False)
-        np.copyto(d.data, a)
-        descs.append(d._desc())
-        locals_.append(d.data)
+        src = a.data if isinstance(a, Data) else a
+        desc, arr = _scratch(rt, "stage", i, src.dtype, src.shape)
+        np.copyto(arr, src)
+        descs.append(desc)
+        locals_.append(arr)
     return descs, locals_
 
 
@@ -345,215 +538,255 @@ def _one_or_tuple(results, single):
     return results[0] if single else tuple(results)
 
 
+def _dtype(rt, vid):
+    return np.dtype(rt.shareds[vid].type.dtype)
+
+
 def broadcast(shared_vars, values=None, nccl=True):
-    """Give every rank the master's value (or ``values``) of each shared variable."""
+    """Give every rank the master's value (or ``values``: arrays or Data, one per variable)
+    of each shared variable.  ``nccl`` is accepted for compatibility (no GPU fast path here)."""
     rt = get_runtime(True)
-    vids, single = _vars(rt, shared_vars)
-    vals = None if values is None else _values(rt, vids, values, single, "broadcast")
-    env = master_env(rt)
-    for i, vid in enumerate(vids):
-        var = rt.shareds[vid]
-        if vals is None:
-            env.slots.publish(vid, var)
-        else:
-            v = vals[i].data if isinstance(vals[i], Data) else vals[i]
-            env.slots.publish(vid, var, v)
-    _exec(rt, "broadcast", vids, (), local=lambda: None)
+    with rt.lock:
+        vids, single = _vars(rt, shared_vars)
+        vals = None if values is None else _values(rt, vids, values, single, "broadcast")
+        if vals is not None:
+            for vid, v in zip(vids, vals):
+                _check_static(rt.shareds[vid], v.shape, "broadcast")
+        env = master_env(rt)
+        total = 0
+        for i, vid in enumerate(vids):
+            var = rt.shareds[vid]
+            if vals is None:
+                view = env.slots.publish(vid, var)
+            else:
+                v = vals[i].data if isinstance(vals[i], Data) else vals[i]
+                view = env.slots.publish(vid, var, v)
+            total += view.nbytes
+        if rt.n == 1:
+            return
+        split = total >= _SPLIT_BCAST_BYTES
+        args = (split,)
+        _exec(rt, "broadcast", vids, args, local=(lambda: _run(env, "broadcast", vids, args)) if split
+              else (lambda: None))
 
 
 def all_reduce(shared_vars, op="avg", nccl=True):
-    """Every rank's variable becomes the reduction (avg, sum, prod, max, min) over ranks."""
+    """Every rank's variable becomes the reduction (avg, sum, prod, max, min) over ranks.
+    All ranks must hold the same shape."""
     rt = get_runtime(True)
     op = check_mode(op, REDUCE_OPS, "reduce op")
-    vids, _ = _vars(rt, shared_vars)
-    _exec(rt, "all_reduce", vids, (op,))
+    with rt.lock:
+        vids, _ = _vars(rt, shared_vars)
+        if rt.n == 1:
+            return
+        _exec(rt, "all_reduce", vids, (op,))
 
 
 def reduce(shared_vars, op="avg", in_place=True, nccl=True):
     """Reduce into the master; workers keep their values.  With ``in_place=False`` the
-    master's variable is untouched and the result(s) are returned."""
+    master's variable is untouched and the result(s) are returned (one array, or a tuple
+    for a list of variables)."""
     rt = get_runtime(True)
     op = check_mode(op, REDUCE_OPS, "reduce op")
-    vids, single = _vars(rt, shared_vars)
-    dests, descs = [], []
-    if not in_place:
-        for vid in vids:
-            var = rt.shareds[vid]
-            shape = np.shape(var.container.storage[0])
-            d = Data(var.type.dtype, var.ndim, name="reduce_result", _rt=rt)
-            d.set_shape(shape)
-            dests.append(d)
-            descs.append(d._desc())
-    else:
-        descs = [None] * len(vids)
-    env = master_env(rt)
+    with rt.lock:
+        vids, single = _vars(rt, shared_vars)
+        env = master_env(rt)
+        if in_place:
+            if rt.n > 1:
+                _exec(rt, "reduce", vids, (op, [None] * len(vids)))
+            return None
+        dests, descs = [], []
+        for i, vid in enumerate(vids):
+            shape = np.shape(rt.shareds[vid].container.storage[0])
+            desc, arr = _scratch(rt, "result", i, _dtype(rt, vid), shape)
+            dests.append(arr)
+            descs.append(desc)
 
-    def local():
-        env.view = lambda desc: _by_desc(dests, desc)
-        return _run(env, "reduce", vids, (op, descs))
-    _exec(rt, "reduce", vids, (op, descs), local=local)
-    if in_place:
-        return None
-    results = [np.array(d.data, copy=True) for d in dests]
-    for d in dests:
-        d.free_memory()
-    return _one_or_tuple(results, single) if len(results) > 1 or single else results[0]
-
-
-def _by_desc(datas, desc):
-    for d in datas:
-        if d._desc() == desc:
-            return d.data
-    raise KeyError(desc)
+        def local():
+            env.view = lambda desc: dests[descs.index(desc)]
+            return _run(env, "reduce", vids, (op, descs))
+        if rt.n == 1:
+            local()
+        else:
+            _exec(rt, "reduce", vids, (op, descs), local=local)
+        results = [np.array(d, copy=True) for d in dests]
+        return _one_or_tuple(results, single)
 
 
 def gather(shared_vars, nd_up=1, nccl=True):
-    """Every rank's value, in rank order: stacked on a new axis (``nd_up=1``) or concatenated
-    along axis 0 (``nd_up=0``).  Values of different shapes come back exactly: with
-    ``nd_up=1`` as a list of per-rank arrays.  Variables are unchanged."""
+    """Every rank's value, in rank order: stacked on a new axis 0 (``nd_up=1``) or
+    concatenated along axis 0 (``nd_up=0``).  Values whose shapes do not allow that (unequal
+    shapes for ``nd_up=1``, unequal trailing shapes for ``nd_up=0``) come back exactly, as a
+    list of per-rank arrays.  Variables are unchanged.  One array (or list) per variable; a
+    tuple of them for a list of variables."""
     rt = get_runtime(True)
-    if nd_up not in (0, 1):
+    if isinstance(nd_up, bool) or nd_up not in (0, 1):
         raise ValueError(f"nd_up must be 0 or 1, got {nd_up!r}")
-    vids, single = _vars(rt, shared_vars)
-    env = master_env(rt)
-    _exec(rt, "publish", vids, (), local=lambda: None)
-    results = []
-    for vid in vids:
-        var = rt.shareds[vid]
-        dtype = np.dtype(var.type.dtype)
-        parts = [np.asarray(var.container.storage[0]) if r == rt.rank else env.slots.view(vid, r, dtype)
-                 for r in range(rt.n)]
-        if nd_up == 1:
-            if len({p.shape for p in parts}) == 1:
-                results.append(np.stack(parts))
-            else:
+    with rt.lock:
+        vids, single = _vars(rt, shared_vars)
+        if nd_up == 0:
+            for vid in vids:
+                if rt.shareds[vid].ndim == 0:
+                    raise ValueError(f"gather(nd_up=0) concatenates along axis 0, but {rt.shareds[vid]} "
+                                     "is 0-d; use nd_up=1")
+        env = master_env(rt)
+        if rt.n > 1:
+            _exec(rt, "publish", vids, (), local=lambda: None)
+        results = []
+        for vid in vids:
+            var = rt.shareds[vid]
+            dtype = _dtype(rt, vid)
+            parts = [_live(var, dtype) if r == rt.rank else env.slots.view(vid, r, dtype)
+                     for r in range(rt.n)]
+            if len({p.shape[1 - nd_up:] for p in parts}) > 1:        # exactly what each rank holds
                 results.append([np.array(p, copy=True) for p in parts])
-        else:
-            if parts[0].ndim == 0 or len({p.shape[1:] for p in parts}) > 1:
-                raise ValueError(f"gather(nd_up=0) of {var} concatenates along axis 0 and needs equal "
-                                 f"trailing shapes of at least 1 dimension; got {[p.shape for p in parts]}")
-            results.append(np.concatenate(parts, axis=0))
-    return _one_or_tuple(results, single)
+            else:
+                results.append(np.stack(parts) if nd_up == 1 else np.concatenate(parts, axis=0))
+        return _one_or_tuple(results, single)
 
 
 def all_gather(shared_vars, nccl=True):
     """Every rank's variable becomes the concatenation (axis 0, rank order) of all ranks'."""
     rt = get_runtime(True)
-    vids, _ = _vars(rt, shared_vars)
-    for vid in vids:
-        if rt.shareds[vid].ndim == 0:
-            raise ValueError(f"all_gather of 0-d variable {rt.shareds[vid]} is not possible (ndim is kept)")
-    _exec(rt, "all_gather", vids, ())
+    with rt.lock:
+        vids, _ = _vars(rt, shared_vars)
+        for vid in vids:
+            if rt.shareds[vid].ndim == 0:
+                raise ValueError(f"all_gather of 0-d variable {rt.shareds[vid]} is not possible "
+                                 "(it concatenates along axis 0 and keeps ndim)")
+        if rt.n == 1:
+            return
+        _exec(rt, "all_gather", vids, ())
 
 
 def scatter(shared_vars, values, batch=None):
-    """Split each value along axis 0 (after selecting ``batch`` rows) over the ranks."""
+    """Split each value (array or Data) along axis 0 (after selecting ``batch`` rows: an
+    int, a slice or a list of indices) over the ranks, as evenly as possible, in rank order."""
     rt = get_runtime(True)
-    vids, single = _vars(rt, shared_vars)
-    vals = _values(rt, vids, values, single, "scatter")
-    for vid, v in zip(vids, vals):
-        if np.ndim(v) == 0:
-            raise ValueError(f"scatter needs values with at least 1 dimension for {rt.shareds[vid]}")
-    lens = {len(v) for v in vals}
-    if len(lens) > 1:
-        raise ValueError(f"scatter values have different lengths {sorted(lens)}")
-    length = lens.pop()
-    sel = sc.normalize_batch(batch)
-    descs, arrays = _staged(rt, vals)
-    idx_desc, idx_arr = None, None
-    if sel is None:
-        kind, bounds = "range", sc.split(length, rt.n)
-    elif sel[0] == "range":
-        if sel[2] > length:
-            raise IndexError(f"batch {sel[1]}:{sel[2]} is out of range for values of length {length}")
-        kind, bounds = "range", sc.split(sel[2] - sel[1], rt.n, sel[1])
-    else:
-        idx = sel[1]
-        if len(idx) and idx.max() >= length:
-            raise IndexError(f"batch index {idx.max()} is out of range for values of length {length}")
-        kind, bounds = "index", sc.split(len(idx), rt.n)
-        (idx_desc,), (idx_arr,) = _staged_extra(rt, idx)
-    env = master_env(rt)
+    with rt.lock:
+        vids, single = _vars(rt, shared_vars)
+        for vid in vids:
+            if rt.shareds[vid].ndim == 0:
+                raise ValueError(f"scatter splits along axis 0, but {rt.shareds[vid]} is 0-d")
+        vals = _values(rt, vids, values, single, "scatter")
+        lens = {len(v) for v in vals}
+        if len(lens) > 1:
+            raise ValueError(f"scatter values have different lengths {sorted(lens)}")
+        length = lens.pop()
+        sel = sc.normalize_batch(batch)
+        idx = None
+        if sel is None:
+            kind, bounds = "range", sc.split(length, rt.n)
+        elif sel[0] == "range":
+            if sel[2] > length:
+                raise IndexError(f"batch {sel[1]}:{sel[2]} is out of range for values of length {length}")
+            kind, bounds = "range", sc.split(sel[2] - sel[1], rt.n, sel[1])
+        else:
+            idx = sel[1]
+            if len(idx) and idx.max() >= length:
+                raise IndexError(f"batch index {idx.max()} is out of range for values of length {length}")
+            kind, bounds = "index", sc.split(len(idx), rt.n)
+        for vid, v in zip(vids, vals):
+            for r in range(rt.n):
+                _check_static(rt.shareds[vid], (bounds[r + 1] - bounds[r],) + tuple(v.shape[1:]), "scatter")
+        descs, arrays = _staged(rt, vals)
+        idx_desc, idx_arr = None, None
+        if idx is not None:
+            (idx_desc,), (idx_arr,) = _staged_extra(rt, idx)
+        env = master_env(rt)
+        plan = (kind, bounds, idx_desc)
 
-    def local():
-        env.view = lambda desc: idx_arr if desc == idx_desc else arrays[descs.index(desc)]
-        return _run(env, "scatter", vids, (descs, (kind, bounds, idx_desc)))
-    _exec(rt, "scatter", vids, (descs, (kind, bounds, idx_desc)), local=local)
+        def local():
+            env.view = lambda desc: idx_arr if desc == idx_desc else arrays[descs.index(desc)]
+            return _run(env, "scatter", vids, (descs, plan))
+        if rt.n == 1:
+            local()
+        else:
+            _exec(rt, "scatter", vids, (descs, plan), local=local)
 
 
 def _staged_extra(rt, arr):
-    d = getattr(rt, "coll_idx", None)
-    if d is None:
-        d = rt.coll_idx = Data(np.int64, 1, name="coll_idx", _rt=rt)
-    d._reshape(arr.shape, 1.5 if arr.size > d.alloc_size else 1, keep=False)
-    np.copyto(d.data, arr)
-    return [d._desc()], [d.data]
+    desc, local = _scratch(rt, "index", 0, np.int64, arr.shape)
+    np.copyto(local, arr)
+    return [desc], [local]
 
 
 def _check_rank(rt, rank):
-    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < rt.n:
+    if isinstance(rank, (bool, np.bool_)) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < rt.n:
         raise ValueError(f"rank must be an int in [0, {rt.n - 1}], got {rank!r}")
     return int(rank)
 
 
 def set_value(rank, shared_vars, values, batch=None):
-    """Set the value of shared variable(s) in one rank (the master's included)."""
+    """Set the value (array or Data; ``batch`` selects rows of it) of shared variable(s) in
+    one rank, the master's included."""
     rt = get_runtime(True)
-    rank = _check_rank(rt, rank)
-    vids, single = _vars(rt, shared_vars)
-    vals = _values(rt, vids, values, single, "set_value")
-    sel = sc.normalize_batch(batch)
-    if sel is not None:
+    with rt.lock:
+        rank = _check_rank(rt, rank)
+        vids, single = _vars(rt, shared_vars)
+        vals = _values(rt, vids, values, single, "set_value")
+        sel = sc.normalize_batch(batch)
         for vid, v in zip(vids, vals):
-            if np.ndim(v) == 0:
-                raise ValueError("batch needs values with at least 1 dimension")
-            top = sc.sel_max(sel)
-            if top > len(v):
-                raise IndexError(f"batch selects row {top - 1} but the value has {len(v)} rows")
-    if rank == rt.rank:
-        env = master_env(rt)
-        for vid, v in zip(vids, vals):
-            src = v.data if isinstance(v, Data) else v
+            shape = tuple(v.shape)
             if sel is not None:
-                src = src[sel[1]:sel[2]] if sel[0] == "range" else np.take(src, sel[1], axis=0)
-            env.slots.publish(vid, rt.shareds[vid], src)
-        return
-    descs, _ = _staged(rt, vals)
-    _exec(rt, "set_value", vids, (rank, descs, sel), local=lambda: None)
+                if len(shape) == 0:
+                    raise ValueError("batch needs values with at least 1 dimension")
+                top = sc.sel_max(sel)
+                if top > shape[0]:
+                    raise IndexError(f"batch selects row {top - 1} but the value has {shape[0]} rows")
+                shape = (sc.sel_length(sel, shape[0]),) + shape[1:]
+            _check_static(rt.shareds[vid], shape, "set_value")
+        if rank == rt.rank:
+            env = master_env(rt)
+            for vid, v in zip(vids, vals):
+                src = v.data if isinstance(v, Data) else v
+                if sel is not None:
+                    src = src[sel[1]:sel[2]] if sel[0] == "range" else np.take(src, sel[1], axis=0)
+                env.slots.publish(vid, rt.shareds[vid], src)
+            return
+        descs, _ = _staged(rt, vals)
+        _exec(rt, "set_value", vids, (rank, descs, sel), local=lambda: None)
 
 
 def get_value(rank, shared_vars):
-    """Copy of the value(s) of shared variable(s) in one rank."""
+    """Copy of the value(s) of shared variable(s) in one rank, the master's included."""
     rt = get_runtime(True)
-    rank = _check_rank(rt, rank)
-    vids, single = _vars(rt, shared_vars)
-    if rank == rt.rank:
-        res = [np.array(rt.shareds[v].container.storage[0], copy=True) for v in vids]
+    with rt.lock:
+        rank = _check_rank(rt, rank)
+        vids, single = _vars(rt, shared_vars)
+        if rank == rt.rank:
+            res = [np.array(_live(rt.shareds[v], _dtype(rt, v)), copy=True) for v in vids]
+            return _one_or_tuple(res, single)
+        _exec(rt, "publish", vids, (rank,), local=lambda: None)
+        env = master_env(rt)
+        res = [np.array(env.slots.view(v, rank, _dtype(rt, v)), copy=True) for v in vids]
         return _one_or_tuple(res, single)
-    _exec(rt, "publish", vids, (), local=lambda: None)
-    env = master_env(rt)
-    res = [np.array(env.slots.view(v, rank, np.dtype(rt.shareds[v].type.dtype)), copy=True) for v in vids]
-    return _one_or_tuple(res, single)
 
 
 def get_shapes(shared_vars):
     """Shape of each variable on every rank: a list per variable (a tuple of lists for several)."""
     rt = get_runtime(True)
-    vids, single = _vars(rt, shared_vars)
-    mine, theirs = _exec(rt, "shapes", vids, ())
-    per_rank = dict(theirs)
-    per_rank[rt.rank] = mine
-    res = [[tuple(per_rank[r][i]) for r in range(rt.n)] for i in range(len(vids))]
-    return _one_or_tuple(res, single)
+    with rt.lock:
+        vids, single = _vars(rt, shared_vars)
+        if rt.n == 1:
+            mine, theirs = _op_shapes(master_env(rt), vids), {}
+        else:
+            mine, theirs = _exec(rt, "shapes", vids, ())
+        per_rank = dict(theirs)
+        per_rank[rt.rank] = mine
+        res = [[tuple(per_rank[r][i]) for r in range(rt.n)] for i in range(len(vids))]
+        return _one_or_tuple(res, single)
 
 
 def get_lengths(shared_vars):
-    """Length (axis 0) of each variable on every rank."""
+    """Length (axis 0) of each variable on every rank: a list per variable (a tuple of lists
+    for several)."""
     rt = get_runtime(True)
-    vids, single = _vars(rt, shared_vars)
-    for vid in vids:
-        if rt.shareds[vid].ndim == 0:
-            raise ValueError(f"{rt.shareds[vid]} is 0-d and has no length")
-    shapes = get_shapes([rt.shareds[v] for v in vids])
-    res = [[s[0] for s in per] for per in shapes]
-    return _one_or_tuple(res, single)
+    with rt.lock:
+        vids, single = _vars(rt, shared_vars)
+        for vid in vids:
+            if rt.shareds[vid].ndim == 0:
+                raise ValueError(f"{rt.shareds[vid]} is 0-d and has no length")
+        shapes = get_shapes([rt.shareds[v] for v in vids])
+        res = [[s[0] for s in per] for per in shapes]
+        return _one_or_tuple(res, single)

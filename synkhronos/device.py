@@ -68,7 +68,9 @@ class CpuDevice(Device):
     def init_master(self, rank):
         from threadpoolctl import threadpool_limits
         self._saved_env = {v: os.environ.get(v) for v in _THREAD_VARS}
-        os.environ.update(self.worker_env(rank))   # libraries loaded later read these
+        env = self.worker_env(rank)
+        env.pop("NUMBA_NUM_THREADS")   # numba refuses a change once its pool exists; set below
+        os.environ.update(env)         # libraries loaded later read these
         self._limits = threadpool_limits(limits=self.threads)
         try:
             import numba

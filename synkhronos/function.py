@@ -183,6 +183,13 @@ class Function:
         self._all_inputs = self._inputs + self._bcast
         out_vars, self._output_modes, self._return_list = _parse_outputs(outputs)
         ups = _parse_updates(updates)
+        for i, (var, upd, mode) in enumerate(ups):
+            if not isinstance(var, SharedVariable):
+                raise TypeError(f"update targets must be shared variables, got {var!r}")
+            try:   # the same check (and safe conversion) plain PyTensor applies to updates
+                ups[i] = (var, var.type.filter_variable(upd, allow_convert=True), mode)
+            except TypeError as e:
+                raise TypeError(f"update of {var} must have the shared variable's type: {e}") from None
         self._update_modes = [m for _, _, m in ups]
         sliceable = _as_list(sliceable_shareds, "sliceable_shareds")
         for v in sliceable:

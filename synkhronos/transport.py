@@ -10,6 +10,7 @@ alive (and, inside a multi-phase command, whether another rank aborted it).
 Another transport (MPI, sockets) only has to provide the same methods."""
 import pickle
 import struct
+from os import sched_yield as _yield
 from time import perf_counter as _now
 
 import posix_ipc
@@ -202,6 +203,7 @@ def _wait(sem, tick, alive, spin=0.0):
         while sem.value == 0:
             if _now() > end:
                 break
+            _yield()         # if another process wants this core (maybe the peer), let it run
         else:
             try:
                 sem.acquire(0)
