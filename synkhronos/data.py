@@ -4,6 +4,7 @@ The master owns each Data's segment; workers attach lazily the first time a comm
 names it and drop the mapping when the master tells them it is gone (piggybacked on the
 next command), so resizing, freeing or dropping a Data costs no extra round trip."""
 import math
+import operator
 import weakref
 
 import numpy as np
@@ -131,7 +132,10 @@ class Data:
 
         Rows are kept when only the length changes; after a reallocation that changes
         other dimensions the contents are zero."""
-        shape = tuple(int(s) for s in shape)
+        try:
+            shape = tuple(operator.index(s) for s in shape)
+        except TypeError:
+            raise TypeError(f"shape must be a sequence of integers, got {shape!r}") from None
         if len(shape) != self._ndim:
             raise ValueError(f"cannot change number of dimensions: expected {self._ndim}, got {len(shape)}")
         if any(s < 0 for s in shape):
@@ -142,7 +146,10 @@ class Data:
         """Change the length (axis 0), keeping the other dimensions and the leading rows."""
         if self._ndim == 0:
             raise ValueError("a 0-d Data has no length")
-        length = int(length)
+        try:
+            length = operator.index(length)
+        except TypeError:
+            raise TypeError(f"length must be an integer, got {length!r}") from None
         if length < 0:
             raise ValueError(f"length must be a non-negative integer, got {length}")
         self.set_shape((length,) + self.shape[1:], oversize)

@@ -6,6 +6,7 @@ which any command reaches the workers: send, do the master's share, collect the 
 and turn a worker's failure into an exception naming its rank."""
 import atexit
 import json
+import signal
 import os
 import subprocess
 import sys
@@ -13,12 +14,14 @@ import threading
 import time
 import weakref
 
+import posix_ipc
+
 from . import shm
 from .debug import compare, fingerprint
 from .debug import enabled as debug_enabled
 from .device import select_device
 from .errors import Aborted, WorkerDied, WorkerError
-from .transport import ShmTransport
+from .transport import ShmTransport, reap_stale_sessions
 
 _runtime = None
 IN_WORKER = False  # set by synkhronos.worker
@@ -130,6 +133,12 @@ class Runtime:
             except subprocess.TimeoutExpired:  # pragma: no cover - unkillable process
                 pass
         self.device.release_master()
+        for sig, handler in getattr(self, "saved_signals", {}).items():
+            try:
+                if signal.getsignal(sig) is _raise_exit:
+                    signal.signal(sig, handler)
+            except ValueError:
+                pass
         if t is not None:
             t.close()
         shm.remove_all(self.prefix)
@@ -190,7 +199,7 @@ class Runtime:
             if local is not None:
                 try:
                     local_result = local()
-                except (KeyboardInterrupt, SystemExit):
+                except (KeyboardInterrupt, SystemExit, posix_ipc.SignalError):
                     t.abort()            # workers leave their barriers; collected next time
                     raise
                 except BaseException as e:  # keep the protocol in step: collect first
@@ -198,7 +207,9 @@ class Runtime:
                     t.abort()
             try:
                 replies = self._collect(what=what)
-            except (KeyboardInterrupt, SystemExit):
+            except _Dead:
+                raise
+            except BaseException:        # interrupted (Ctrl-C, a signal, a timeout)
                 t.abort()
                 raise
         except _Dead as d:
@@ -252,6 +263,7 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
     if _runtime is not None and not _runtime.closed:
         raise RuntimeError("synkhronos is already forked; call synk.close() before forking again")
     device = select_device(n_parallel, use_gpu)
+    reap_stale_sessions()
     if isinstance(master_rank, bool) or not isinstance(master_rank, int) or not 0 <= master_rank < device.n:
         raise ValueError(f"master_rank must be an int in [0, {device.n - 1}], got {master_rank!r}")
     rt = Runtime(device, master_rank, profile_workers, debug_enabled(debug))
@@ -261,8 +273,27 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
     except BaseException:
         _runtime = None
         raise
+    _exit_on_termination(rt)
     print(f"Synkhronos: {device.describe()}, master rank {master_rank}.", flush=True)
     return device.n
+
+
+def _exit_on_termination(rt):
+    """SIGTERM/SIGHUP (a cancelled job, a closed terminal) would kill the master without
+    running close(); turn them into SystemExit so close() removes the workers and segments.
+    Only default handlers are replaced, and they are restored by close()."""
+    saved = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                saved[sig] = signal.signal(sig, _raise_exit)
+        except ValueError:          # not the main thread: leave signals alone
+            pass
+    rt.saved_signals = saved
+
+
+def _raise_exit(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def debug_log():

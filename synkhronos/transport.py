@@ -8,6 +8,7 @@ Every wait is bounded by a short tick after which the waiter checks that the oth
 alive (and, inside a multi-phase command, whether another rank aborted it).
 
 Another transport (MPI, sockets) only has to provide the same methods."""
+import os
 import pickle
 import struct
 from os import sched_yield as _yield
@@ -18,7 +19,7 @@ import posix_ipc
 from . import shm
 from .errors import Aborted
 
-CMD_SEQ, ABORT_SEQ = 0, 1
+CMD_SEQ, ABORT_SEQ, MASTER_PID = 0, 1, 2
 _GEN_BASE = 8
 _ALIGN = 64
 _HDR = struct.Struct("<QQ")
@@ -111,6 +112,8 @@ class ShmTransport:
         ctrl_bytes = 8 * (_GEN_BASE + n)
         self.ctrl_seg = shm.Segment(prefix + "_ctrl", ctrl_bytes, create=create)
         self.ctrl = self.ctrl_seg.array("int64", (_GEN_BASE + n,))
+        if create:
+            self.ctrl[MASTER_PID] = os.getpid()     # lets a later run reap this one if it dies
         opener = shm.new_semaphore if create else posix_ipc.Semaphore
         self.workers = [r for r in range(n) if r != master_rank]
         self.go = {r: opener(f"{prefix}_go{r}") for r in self.workers}
@@ -193,6 +196,34 @@ class ShmTransport:
             shm.remove_all(self.prefix)
 
 
+def reap_stale_sessions():
+    """Remove the segments of earlier sessions of this user whose master process is gone.
+
+    A session cleans up after itself on close, on a master's SIGTERM and when its master
+    dies; only when every process of a session was killed at once is there nobody left to
+    do it.  Returns the number of sessions removed."""
+    prefixes = {e.split("_ctrl")[0] for e in shm.leftovers("synk_") if e.endswith("_ctrl")}
+    reaped = 0
+    for p in prefixes:
+        try:
+            seg = shm.Segment("/" + p + "_ctrl")
+            pid = int(seg.array("int64", (_GEN_BASE,))[MASTER_PID])
+        except (OSError, ValueError, posix_ipc.Error):
+            continue
+        if pid <= 0:
+            continue
+        try:
+            os.kill(pid, 0)
+            continue                  # its master is alive (or the pid was reused): leave it
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shm.remove_all("/" + p)
+        reaped += 1
+    return reaped
+
+
 def _wait(sem, tick, alive, spin=0.0):
     """Acquire ``sem``; every ``tick`` seconds call ``alive()``, which raises or returns False to stop.
 
@@ -217,5 +248,8 @@ def _wait(sem, tick, alive, spin=0.0):
         except posix_ipc.BusyError:
             if alive() is False:
                 raise ConnectionError("peer is gone")
-        except posix_ipc.SignalError:   # a signal handler (Ctrl-C) runs when we return to Python
-            pass
+        except posix_ipc.SignalError:
+            # A signal interrupted the wait and its Python handler has run; posix_ipc hides
+            # what that handler raised (a timeout, SystemExit …), so stop waiting: the caller
+            # aborts the command and the next command collects it.
+            raise

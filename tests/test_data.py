@@ -121,13 +121,13 @@ def test_zero_dim_data(S):
         d.set_length(1)
 
 
-@pytest.mark.xfail(reason="BUG: a 0-d Data is never put in shared memory (alloc_size 0 while size 1; "
-                          "data.py Data._reshape returns early because the initial private "
-                          "np.empty(()) already has shape ()), so workers read garbage",
-                   strict=True)
 def test_zero_dim_data_lives_in_shared_memory(S):
     d = synk.data(np.float32(2.5))
     assert d.alloc_size >= d.size == 1
+    assert os.path.exists(_shm_path(d))
+    e = synk.data(dtype="float32", ndim=0)
+    e.set_value(np.float32(2.5))
+    assert e.alloc_size == 1
     A = np.arange(1, 9, dtype=np.float32)
     assert S.f8(synk.data(A), d) == pytest.approx(float(A.sum()) * 2.5)
 
@@ -201,6 +201,28 @@ def test_wrong_ndim_rejected(S):
     with pytest.raises(ValueError):
         d.set_length(-1)
     assert d.shape == (2, 2)
+
+
+@pytest.mark.parametrize("bad", [2.5, "3", np.float64(3.9)])
+def test_non_integer_length_rejected(S, bad):
+    d = synk.data(np.arange(5, dtype=np.float32))
+    with pytest.raises(TypeError):
+        d.set_length(bad)
+    with pytest.raises(TypeError):
+        d.set_shape((bad,))
+    with pytest.raises(TypeError):
+        synk.data(dtype="float32", shape=(bad, 2))
+    assert d.shape == (5,)
+
+
+def test_integer_like_lengths_accepted(S):
+    d = synk.data(np.arange(5, dtype=np.float32))
+    d.set_length(np.int64(3))
+    assert d.shape == (3,)
+    d.set_shape([np.int32(4)])
+    assert d.shape == (4,)
+    with pytest.raises(TypeError):
+        d.set_length(None)
 
 
 # ---- oversize, set_shape, set_length, free_memory -----------------------------------------------

@@ -12,7 +12,8 @@ A data-parallel step is three calls:
 Every rule returns ``(grad_updates, param_updates, grad_shared)``:
 ``grad_updates == [(grad_shared, flat_grad)]``, ``param_updates`` a list of
 ``(shared, new_value)`` pairs, ``grad_shared`` the flat vector (dtype of the parameters).
-The formulas and defaults are Lasagne's (``lasagne.updates``); hyperparameters may be
+The formulas and defaults are Lasagne's (``lasagne.updates``); as there, ``loss`` may
+also be a list of gradient expressions, one per parameter.  Hyperparameters may be
 numbers or symbolic scalars (e.g. a shared learning rate: remember to ``synk.broadcast`` it
 after changing it in the master).  Every rank keeps its own copy of the rule's state
 (velocities, moments, time step); all ranks apply identical updates, so the copies agree.
@@ -106,13 +107,23 @@ def unflatten_vars(flat_var, like):
     return out
 
 
-def flat_unflat_grads(loss, params):
+def _grads(loss_or_grads, params):
+    if isinstance(loss_or_grads, (list, tuple)):          # gradients given, as in Lasagne
+        grads = list(loss_or_grads)
+        if len(grads) != len(params):
+            raise ValueError(f"got {len(grads)} gradients for {len(params)} parameters")
+        return grads
+    return pytensor.grad(loss_or_grads, params)
+
+
+def flat_unflat_grads(loss_or_grads, params):
     """``(grad_shared, flat_grad, grads)``: the flat shared gradient vector (zeros, dtype of
     the params), the symbolic concatenated gradient, and per-parameter gradients read from
-    ``grad_shared`` (what parameter updates use, after the all-reduce)."""
+    ``grad_shared`` (what parameter updates use, after the all-reduce).  ``loss_or_grads``:
+    a scalar loss, or a list of gradient expressions (one per parameter)."""
     params = _check_params(params)
     dtype = upcast(*[p.dtype for p in params])
-    flat_grad = flatten_vars(pytensor.grad(loss, params), dtype)
+    flat_grad = flatten_vars(_grads(loss_or_grads, params), dtype)
     grad_shared = pytensor.shared(np.zeros(vars_flat_size(params), dtype=dtype), name="flat_grad_s")
     return grad_shared, flat_grad, unflatten_vars(grad_shared, params)
 

@@ -1,0 +1,492 @@
+"""Failures end in exceptions, never hangs, and leave nothing behind.
+
+* a worker's exception -> WorkerError naming the rank, with the worker's traceback; the
+  runtime keeps working;
+* bad arguments -> TypeError/ValueError/IndexError raised in the master before any command
+  is sent; the runtime keeps working;
+* life-cycle misuse (call before distribute, function() after distribute, distribute
+  twice, fork while forked) -> RuntimeError;
+* fork -> close -> fork, close twice;
+* a SIGKILLed worker -> WorkerDied within seconds, runtime closed, no /dev/shm entries, no
+  processes, and fork works again;
+* a master killed by a signal -> its workers exit and the session's /dev/shm entries go.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import types
+
+import numpy as np
+import pytest
+import pytensor as theano
+import pytensor.tensor as T
+from pytensor.raise_op import Assert
+
+import synkhronos as synk
+import synk_testutil as tu
+
+CRASH_DEADLINE = 10.0     # seconds within which a crash must surface as an exception
+
+
+def _g1_graph():
+    """The introductory example's graph (shared with other modules: JIT cache hit)."""
+    x = T.matrix("x", dtype="float32")
+    y = T.vector("y", dtype="float32")
+    return x, y, T.mean(x.dot(y), axis=0)
+
+
+def _g1_ref(X, Y):
+    return float(np.mean(X.astype(np.float64) @ Y.astype(np.float64)))
+
+
+RNG = np.random.default_rng(5)
+X = RNG.standard_normal((9, 4)).astype(np.float32)
+Y = RNG.standard_normal(4).astype(np.float32)
+A = np.arange(1, 8, dtype=np.float32)
+B = np.linspace(-1, 1, 7).astype(np.float32)
+
+
+# ==============================================================================================
+# In one session: worker exceptions and bad arguments
+
+@pytest.fixture(scope="class")
+def S():
+    synk.fork(n_parallel=2)
+    try:
+        x, y, z = _g1_graph()
+        g1 = synk.function([x], z, bcast_inputs=[y])
+        a = T.vector("a", dtype="float32")
+        b = T.vector("b", dtype="float32")
+        f7 = synk.function([a, b], (T.sum(a * b), "sum"))
+        xv = T.vector("xv", dtype="float32")
+        checked = Assert("synk-test: value too large")(T.sum(xv), T.all(T.lt(xv, 100)))
+        h = synk.function([xv], (checked, "sum"))
+        synk.distribute()
+        rt = tu.runtime()
+        yield types.SimpleNamespace(g1=g1, f7=f7, h=h, rt=rt, a=a)
+    finally:
+        synk.close()
+
+
+class TestInSession:
+
+    def good_calls(self, S):
+        assert np.isclose(S.g1(X, Y), _g1_ref(X, Y), rtol=1e-5)
+        assert np.isclose(S.f7(synk.data(A), synk.data(B)), float(np.sum(A * B)), rtol=1e-5, atol=1e-6)
+        assert S.h(np.arange(6, dtype=np.float32)) == 15.0
+
+    def test_good_calls(self, S):
+        self.good_calls(S)
+
+    def test_worker_exception_names_rank_and_has_traceback(self, S):
+        bad = np.array([1, 2, 3, 500], dtype=np.float32)     # only rank 1's shard fails
+        t0 = time.monotonic()
+        with pytest.raises(synk.WorkerError) as ei:
+            S.h(bad)
+        assert time.monotonic() - t0 < CRASH_DEADLINE
+        e = ei.value
+        assert isinstance(e, synk.SynkError) and isinstance(e, RuntimeError)
+        assert set(e.errors) == {1} and e.ranks == [1]
+        msg = str(e)
+        assert "rank 1" in msg
+        assert "Traceback" in e.errors[1] and "AssertionError" in e.errors[1]
+        assert "synk-test: value too large" in e.errors[1]
+        assert "synk-test: value too large" in msg     # the traceback text is in the message
+        # the runtime keeps working, repeatedly
+        for _ in range(3):
+            self.good_calls(S)
+        with pytest.raises(synk.WorkerError):
+            S.h(synk.data(bad))
+        self.good_calls(S)
+
+    def test_exception_in_master_and_worker(self, S):
+        bad = np.array([500, 2, 3, 500], dtype=np.float32)   # both shards fail
+        with pytest.raises(AssertionError, match="synk-test") as ei:
+            S.h(bad)
+        cause = ei.value.__cause__
+        assert isinstance(cause, synk.WorkerError) and cause.ranks == [1]
+        bad = np.array([500, 2, 3, 4], dtype=np.float32)     # only the master's shard fails
+        with pytest.raises(AssertionError, match="synk-test"):
+            S.h(bad)
+        self.good_calls(S)
+
+    def test_shape_error_in_every_rank(self, S):
+        # a broadcast input of the wrong length fails inside PyTensor on all ranks
+        with pytest.raises(Exception):
+            S.g1(X, np.ones(7, np.float32))
+        self.good_calls(S)
+
+    def test_signal_handler_exception_interrupts_a_wait(self, S):
+        """A Python signal handler that raises (pytest-timeout, a user's alarm) must end a
+        call that waits for a hung worker, as Ctrl-C does; the runtime stays usable."""
+        import threading
+
+        class Interrupted(Exception):
+            pass
+
+        def handler(signum, frame):
+            raise Interrupted("signal handler ran")
+
+        proc = S.rt.procs[1]
+        old = signal.signal(signal.SIGUSR1, handler)
+        main = threading.main_thread().ident
+        poke = threading.Timer(0.5, lambda: signal.pthread_kill(main, signal.SIGUSR1))
+        resume = threading.Timer(2.5, lambda: proc.send_signal(signal.SIGCONT))
+        proc.send_signal(signal.SIGSTOP)           # the worker hangs: the call must wait
+        t0 = time.monotonic()
+        raised = None
+        try:
+            poke.start()
+            resume.start()
+            try:
+                S.g1(X, Y)
+            except Exception as e:               # the handler's exception, or one naming the signal
+                raised = e
+            dt = time.monotonic() - t0
+        finally:
+            signal.signal(signal.SIGUSR1, old)
+            proc.send_signal(signal.SIGCONT)
+            poke.cancel()
+            resume.cancel()
+            poke.join()
+            resume.join()
+        # the runtime recovers: the interrupted command is collected by the next one
+        self.good_calls(S)
+        assert raised is not None, f"the call ignored the signal handler and returned after {dt:.1f} s"
+        assert dt < 2.0
+
+    BAD_CALLS = [
+        # (id, function attr, args, kwargs, exception)
+        ("missing_input", "g1", (X,), {}, TypeError),
+        ("too_many_inputs", "g1", (X, Y, Y), {}, TypeError),
+        ("wrong_dtype_data", "g1", ("data:X64", Y), {}, TypeError),
+        ("wrong_dtype_numpy_downcast", "g1", (X.astype(np.float64), Y), {}, TypeError),
+        ("wrong_ndim_data", "g1", ("data:Y", Y), {}, TypeError),
+        ("wrong_ndim_numpy", "g1", (X[None], Y), {}, TypeError),
+        ("bcast_wrong_ndim", "g1", (X, X), {}, TypeError),
+        ("python_lists_accepted", "f7", ([1.5, 2.5], [1, 2]), {}, None),   # not an error
+        ("unequal_lengths", "f7", (A, B[:-1]), {}, ValueError),
+        ("unequal_lengths_data", "f7", ("data:A", "data:B5"), {}, ValueError),
+        ("num_slices_zero", "g1", (X, Y), {"num_slices": 0}, ValueError),
+        ("num_slices_negative", "g1", (X, Y), {"num_slices": -2}, ValueError),
+        ("num_slices_bool", "g1", (X, Y), {"num_slices": True}, ValueError),
+        ("num_slices_float", "g1", (X, Y), {"num_slices": 2.0}, ValueError),
+        ("unknown_kwarg", "g1", (X, Y), {"foo": Y}, TypeError),
+        ("input_given_twice", "g1", (X, Y), {"x": X}, TypeError),
+        ("batch_int_too_long", "g1", (X, Y), {"batch": 10}, IndexError),
+        ("batch_negative_int", "g1", (X, Y), {"batch": -1}, IndexError),
+        ("batch_slice_out_of_range", "g1", (X, Y), {"batch": slice(2, 12)}, IndexError),
+        ("batch_slice_step", "g1", (X, Y), {"batch": slice(0, 4, 2)}, ValueError),
+        ("batch_slice_open", "g1", (X, Y), {"batch": slice(None, 4)}, TypeError),
+        ("batch_index_out_of_range", "g1", (X, Y), {"batch": [0, 9]}, IndexError),
+        ("batch_index_negative", "g1", (X, Y), {"batch": [-1, 2]}, IndexError),
+        ("batch_index_float", "g1", (X, Y), {"batch": [0.5, 1.0]}, TypeError),
+        ("batch_index_2d", "g1", (X, Y), {"batch": np.zeros((2, 2), int)}, ValueError),
+        ("batch_bad_type", "g1", (X, Y), {"batch": "all"}, TypeError),
+        ("batch_s_without_sliceable", "g1", (X, Y), {"batch_s": slice(0, 2)}, ValueError),
+        ("output_subset_out_of_range", "g1", (X, Y), {"output_subset": [1]}, IndexError),
+        ("output_subset_repeated", "f7", (A, B), {"output_subset": [0, 0]}, ValueError),
+        ("output_subset_not_list", "g1", (X, Y), {"output_subset": 0}, TypeError),
+    ]
+
+    @pytest.mark.parametrize("case", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+    def test_bad_arguments_rejected_in_master(self, S, case):
+        _, fname, args, kwargs, exc = case
+        f = getattr(S, fname)
+        subs = {"data:X64": lambda: synk.data(X.astype(np.float64)), "data:Y": lambda: synk.data(Y),
+                "data:A": lambda: synk.data(A), "data:B5": lambda: synk.data(B[:5])}
+        args = tuple(subs[a]() if isinstance(a, str) and a in subs else a for a in args)
+        seq = S.rt.transport.seq
+        if exc is None:
+            f(*args, **kwargs)
+        else:
+            with pytest.raises(exc):
+                f(*args, **kwargs)
+            assert S.rt.transport.seq == seq, "a command was sent to the workers"
+        self.good_calls(S)
+
+    def test_function_after_distribute(self, S):
+        a = T.vector("a", dtype="float32")
+        with pytest.raises(RuntimeError, match="distribute"):
+            synk.function([a], T.sum(a))
+        self.good_calls(S)
+
+    def test_distribute_twice(self, S):
+        seq = S.rt.transport.seq
+        with pytest.raises(RuntimeError, match="distribute"):
+            synk.distribute()
+        assert S.rt.transport.seq == seq
+        self.good_calls(S)
+
+    def test_fork_while_forked(self, S):
+        with pytest.raises(RuntimeError, match="already forked"):
+            synk.fork(2)
+        assert tu.runtime() is S.rt and not S.rt.closed
+        self.good_calls(S)
+
+
+# ==============================================================================================
+# Sessions of their own
+
+def test_fork_argument_errors():
+    assert tu.runtime() is None
+    with pytest.raises(ValueError):
+        synk.fork(n_parallel=0)
+    with pytest.raises(TypeError):
+        synk.fork(n_parallel=1.5)
+    with pytest.raises(TypeError):
+        synk.fork(n_parallel=True)
+    with pytest.raises(ValueError):
+        synk.fork(n_parallel=2, master_rank=2)
+    with pytest.raises(ValueError):
+        synk.fork(n_parallel=2, master_rank=-1)
+    assert tu.runtime() is None
+    assert tu.worker_children() == []
+    with pytest.raises(RuntimeError, match="fork"):
+        synk.distribute()
+    with pytest.raises(RuntimeError, match="fork"):
+        synk.function([T.vector("a")], T.sum(T.vector("a")))
+    synk.close()          # closing with nothing open is harmless
+
+
+def test_lifecycle_fork_close_fork(assert_clean):
+    try:
+        # --- first session: misuse before distribute ---------------------------------------
+        assert synk.fork(2) == 2
+        x, y, z = _g1_graph()
+        f = synk.function([x], z, bcast_inputs=[y])
+        xd, yd = synk.data(X), synk.data(Y)      # Data may be made before distributing
+        # bad definitions are rejected while building
+        with pytest.raises(ValueError):
+            synk.function([x], (z, "mean"), bcast_inputs=[y])
+        with pytest.raises(TypeError):
+            synk.function([x], (z, "sum", 1), bcast_inputs=[y])
+        with pytest.raises(TypeError):
+            synk.function(x, z, bcast_inputs=[y])
+        with pytest.raises(ValueError):
+            synk.function([x], z, bcast_inputs=[y], updates=[(theano.shared(np.float32(0)), z, "gather")])
+        with pytest.raises(TypeError):
+            synk.function([x], z, bcast_inputs=[y], updates=[(x, z)])   # not a shared variable
+        with pytest.raises(RuntimeError, match="distribute"):
+            f(xd, yd)
+        synk.distribute()
+        assert np.isclose(f(xd, yd), _g1_ref(X, Y), rtol=1e-5)
+        with pytest.raises(RuntimeError, match="distribute"):
+            synk.function([x], z, bcast_inputs=[y])
+        with pytest.raises(RuntimeError, match="distribute"):
+            synk.distribute()
+        assert np.isclose(f(X, Y), _g1_ref(X, Y), rtol=1e-5)
+        prefix1 = tu.runtime().prefix
+        synk.close()
+        assert tu.runtime() is None
+        assert tu.shm_entries(prefix1) == []
+        assert tu.worker_children() == []
+        synk.close()                              # twice is harmless
+        with pytest.raises(RuntimeError):
+            f(X, Y)                               # a function of a closed session
+        with pytest.raises(RuntimeError):
+            xd.set_value(X[:3])                   # a Data of a closed session
+        with pytest.raises(RuntimeError):
+            synk.data(X)
+
+        # --- second session ----------------------------------------------------------------
+        assert synk.fork(2) == 2
+        assert tu.runtime().prefix != prefix1
+        x, y, z = _g1_graph()
+        f2 = synk.function([x], z, bcast_inputs=[y])
+        synk.distribute()
+        assert np.isclose(f2(synk.data(X), synk.data(Y)), _g1_ref(X, Y), rtol=1e-5)
+        assert np.isclose(f2(X, Y), _g1_ref(X, Y), rtol=1e-5)
+        with pytest.raises(RuntimeError):
+            f2(xd, yd)                            # Data of the first session
+        with pytest.raises(RuntimeError):
+            f(X, Y)
+        synk.close()
+        synk.close()
+    finally:
+        synk.close()
+    assert_clean()
+
+
+def test_killed_worker_raises_workerdied_then_fork_again(assert_clean):
+    try:
+        synk.fork(3)
+        x, y, z = _g1_graph()
+        f = synk.function([x], z, bcast_inputs=[y])
+        synk.distribute()
+        assert np.isclose(f(X, Y), _g1_ref(X, Y), rtol=1e-5)
+        rt = tu.runtime()
+        prefix = rt.prefix
+        pids = {r: p.pid for r, p in rt.procs.items()}
+        assert sorted(pids) == [1, 2]
+        assert tu.shm_entries(prefix)
+        os.kill(pids[1], signal.SIGKILL)
+        assert tu.wait_until(lambda: not tu.pid_running(pids[1]), 5.0)
+
+        t0 = time.monotonic()
+        with pytest.raises(synk.WorkerDied) as ei:
+            f(X, Y)
+        assert time.monotonic() - t0 < CRASH_DEADLINE
+        e = ei.value
+        assert e.rank == 1 and e.returncode == -signal.SIGKILL
+        assert "rank 1" in str(e) and "fork" in str(e)
+        # the runtime closed itself: the other worker is gone too, and every segment
+        assert tu.runtime() is None
+        assert rt.closed
+        assert tu.wait_until(lambda: not tu.pid_running(pids[2]), 5.0)
+        assert tu.shm_entries(prefix) == []
+        assert tu.worker_children() == []
+        with pytest.raises(RuntimeError):
+            f(X, Y)
+        synk.close()                               # harmless after a crash
+
+        # fork works again
+        assert synk.fork(2) == 2
+        x, y, z = _g1_graph()
+        f2 = synk.function([x], z, bcast_inputs=[y])
+        synk.distribute()
+        assert np.isclose(f2(X, Y), _g1_ref(X, Y), rtol=1e-5)
+        synk.close()
+    finally:
+        synk.close()
+    assert_clean()
+
+
+def test_killed_worker_while_idle_between_datas(assert_clean):
+    """A worker killed while the master only manipulates Data: the next command reports it."""
+    try:
+        synk.fork(2)
+        a = T.vector("a", dtype="float32")
+        b = T.vector("b", dtype="float32")
+        f7 = synk.function([a, b], (T.sum(a * b), "sum"))
+        synk.distribute()
+        d = synk.data(A)
+        assert f7(d, d) == pytest.approx(float(np.sum(A * A)))
+        rt = tu.runtime()
+        prefix = rt.prefix
+        rt.procs[1].send_signal(signal.SIGKILL)
+        d.set_value(np.arange(50, dtype=np.float32))   # master-only work still fine
+        t0 = time.monotonic()
+        with pytest.raises(synk.WorkerDied):
+            f7(d, d)
+        assert time.monotonic() - t0 < CRASH_DEADLINE
+        assert tu.runtime() is None
+        assert tu.shm_entries(prefix) == []
+        with pytest.raises(RuntimeError):
+            d.set_value(A)
+    finally:
+        synk.close()
+    assert_clean()
+
+
+def test_worker_killed_during_a_call(assert_clean):
+    """The worker is stopped so the call is surely in flight, then killed: WorkerDied."""
+    import threading
+    proc = None
+    try:
+        synk.fork(2)
+        x, y, z = _g1_graph()
+        f = synk.function([x], z, bcast_inputs=[y])
+        synk.distribute()
+        assert np.isclose(f(X, Y), _g1_ref(X, Y), rtol=1e-5)
+        rt = tu.runtime()
+        prefix = rt.prefix
+        proc = rt.procs[1]
+        proc.send_signal(signal.SIGSTOP)
+        killer = threading.Timer(1.0, lambda: os.kill(proc.pid, signal.SIGKILL))
+        killer.start()
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(synk.WorkerDied) as ei:
+                f(X, Y)                              # waits for the stopped worker ...
+        finally:
+            killer.cancel()
+            killer.join()
+        dt = time.monotonic() - t0
+        assert 0.9 <= dt < CRASH_DEADLINE, dt      # ... until it was killed
+        assert ei.value.rank == 1 and ei.value.returncode == -signal.SIGKILL
+        assert "call" in str(ei.value)
+        assert tu.runtime() is None
+        assert tu.shm_entries(prefix) == []
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        synk.close()
+    assert_clean()
+
+
+_MASTER_SCRIPT = textwrap.dedent("""
+    import json, time
+    import numpy as np
+    import pytensor.tensor as T
+    import synkhronos as synk
+    import synkhronos.runtime as r
+
+    synk.fork(2)
+    a = T.vector("a", dtype="float32")
+    f = synk.function([a], (T.sum(a), "sum"))
+    synk.distribute()
+    d = synk.data(np.arange(10, dtype=np.float32))
+    assert f(d) == 45.0
+    rt = r._runtime
+    print("SYNK-INFO " + json.dumps({"prefix": rt.prefix,
+                                     "pids": [p.pid for p in rt.procs.values()]}), flush=True)
+    time.sleep(120)
+""")
+
+@pytest.mark.parametrize("sig,target", [
+    pytest.param(signal.SIGKILL, "master", id="KILL-master"),
+    pytest.param(signal.SIGTERM, "master", id="TERM-master"),
+    pytest.param(signal.SIGINT, "group", id="INT-group"),        # Ctrl-C in a terminal
+    pytest.param(signal.SIGTERM, "group", id="TERM-group"),
+    pytest.param(signal.SIGHUP, "group", id="HUP-group"),
+])
+def test_master_crash_leaves_nothing(tmp_path, sig, target):
+    """A master process that dies by a signal: its workers exit within seconds and the
+    session's /dev/shm entries are removed."""
+    script = tmp_path / "master.py"
+    script.write_text(_MASTER_SCRIPT)
+    out_path = tmp_path / "out.txt"
+    info = None
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, cwd=str(tmp_path), start_new_session=True)
+    try:
+        def started():
+            return proc.poll() is not None or "SYNK-INFO " in out_path.read_text()
+        assert tu.wait_until(started, 240, interval=0.1), "the script did not start in time"
+        text = out_path.read_text()
+        lines = [ln for ln in text.splitlines() if ln.startswith("SYNK-INFO ")]
+        assert lines, f"the script did not report its session:\n{text}"
+        info = json.loads(lines[0][len("SYNK-INFO "):])
+        assert len(info["pids"]) == 1 and tu.pid_running(info["pids"][0])
+        if target == "group":
+            os.killpg(proc.pid, sig)
+        else:
+            os.kill(proc.pid, sig)
+        proc.wait(timeout=30)
+        t_dead = time.monotonic()
+        if sig == signal.SIGKILL:
+            assert proc.returncode == -signal.SIGKILL
+        gone = tu.wait_until(lambda: not any(tu.pid_running(p) for p in info["pids"]), 5.0)
+        assert gone, f"workers {info['pids']} still running 5 s after their master died"
+        clean = tu.wait_until(lambda: not tu.shm_entries(info["prefix"]), 5.0)
+        assert clean, f"left in /dev/shm: {tu.shm_entries(info['prefix'])}"
+        assert time.monotonic() - t_dead < 6.0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if info is not None:
+            for p in info["pids"]:
+                if tu.pid_running(p):
+                    try:
+                        os.kill(p, signal.SIGKILL)
+                    except OSError:
+                        pass
+            from synkhronos import shm
+            shm.remove_all(info["prefix"])

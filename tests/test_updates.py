@@ -1,0 +1,309 @@
+"""synkhronos.extensions.updates / train: data-parallel training tracks serial training.
+
+One synkhronos session (2 ranks) for the whole module: every rule gets its own parameters
+(and so its own two functions), all built before a single ``distribute()``.  The reference
+is independent of PyTensor: the same 2-layer MLP, its gradients and Lasagne's update
+formulas written in numpy (float64).  The batch (8 rows) splits evenly over the 2 ranks, so
+averaging the ranks' gradients is exactly the full-batch gradient."""
+import inspect
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+
+import synkhronos as synk
+from synkhronos.extensions import train, updates
+
+N_IN, N_HID, N_OUT, BATCH, STEPS = 10, 6, 3, 8, 3
+ATOL, RTOL = 2e-5, 2e-4
+
+# rule name -> hyperparameters given (others are the defaults, checked below too)
+RULES = {
+    "sgd": dict(learning_rate=0.1),
+    "momentum": dict(learning_rate=0.1, momentum=0.8),
+    "nesterov_momentum": dict(learning_rate=0.1),
+    "adagrad": dict(learning_rate=0.1),
+    "rmsprop": dict(learning_rate=0.01),
+    "adadelta": dict(),
+    "adam": dict(),
+    "adamax": dict(learning_rate=0.01),
+}
+
+LASAGNE_DEFAULTS = {
+    "momentum": dict(momentum=0.9),
+    "nesterov_momentum": dict(momentum=0.9),
+    "adagrad": dict(learning_rate=1.0, epsilon=1e-6),
+    "rmsprop": dict(learning_rate=1.0, rho=0.9, epsilon=1e-6),
+    "adadelta": dict(learning_rate=1.0, rho=0.95, epsilon=1e-6),
+    "adam": dict(learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8),
+    "adamax": dict(learning_rate=0.002, beta1=0.9, beta2=0.999, epsilon=1e-8),
+}
+
+
+# ------------------------------------------------------------------------------------------
+# numpy reference
+
+
+def init_params(seed=0):
+    rng = np.random.default_rng(seed)
+    return [(rng.normal(size=(N_IN, N_HID)) * 0.5).astype(np.float32),
+            (rng.normal(size=N_HID) * 0.1).astype(np.float32),
+            (rng.normal(size=(N_HID, N_OUT)) * 0.5).astype(np.float32),
+            (rng.normal(size=N_OUT) * 0.1).astype(np.float32)]
+
+
+def make_data(rows, seed=1):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(rows, N_IN)).astype(np.float32), rng.integers(0, N_OUT, rows).astype(np.int32)
+
+
+def np_loss_grads(params, X, Y):
+    W1, b1, W2, b2 = params
+    X = X.astype(np.float64)
+    h = np.tanh(X @ W1 + b1)
+    z = h @ W2 + b2
+    z = z - z.max(axis=1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    n = len(X)
+    loss = -logp[np.arange(n), Y].mean()
+    dz = np.exp(logp)
+    dz[np.arange(n), Y] -= 1
+    dz /= n
+    dh = (dz @ W2.T) * (1 - h ** 2)
+    return loss, [X.T @ dh, dh.sum(0), h.T @ dz, dz.sum(0)]
+
+
+class NumpyRule:
+    """Lasagne's formulas, float64."""
+
+    def __init__(self, name, **kw):
+        self.name = name
+        self.hp = dict(LASAGNE_DEFAULTS.get(name, {}), **kw)
+        self.state = {}
+        self.t = 0
+
+    def _s(self, key, i, like):
+        return self.state.setdefault((key, i), np.zeros_like(like))
+
+    def step(self, params, grads):
+        hp, name = self.hp, self.name
+        self.t += 1
+        t = self.t
+        out = []
+        for i, (p, g) in enumerate(zip(params, grads)):
+            lr = hp.get("learning_rate")
+            if name == "sgd":
+                new = p - lr * g
+            elif name == "momentum":
+                v = self._s("v", i, p)
+                x = hp["momentum"] * v + (p - lr * g)
+                self.state[("v", i)] = x - p
+                new = x
+            elif name == "nesterov_momentum":
+                v = self._s("v", i, p)
+                upd = p - lr * g
+                x = hp["momentum"] * v + upd - p
+                self.state[("v", i)] = x
+                new = hp["momentum"] * x + upd
+            elif name == "adagrad":
+                a = self._s("a", i, p) + g ** 2
+                self.state[("a", i)] = a
+                new = p - lr * g / np.sqrt(a + hp["epsilon"])
+            elif name == "rmsprop":
+                a = hp["rho"] * self._s("a", i, p) + (1 - hp["rho"]) * g ** 2
+                self.state[("a", i)] = a
+                new = p - lr * g / np.sqrt(a + hp["epsilon"])
+            elif name == "adadelta":
+                rho, eps = hp["rho"], hp["epsilon"]
+                a = rho * self._s("a", i, p) + (1 - rho) * g ** 2
+                d = self._s("d", i, p)
+                upd = g * np.sqrt(d + eps) / np.sqrt(a + eps)
+                self.state[("a", i)] = a
+                self.state[("d", i)] = rho * d + (1 - rho) * upd ** 2
+                new = p - lr * upd
+            elif name == "adam":
+                b1, b2, eps = hp["beta1"], hp["beta2"], hp["epsilon"]
+                a_t = lr * np.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+                m = b1 * self._s("m", i, p) + (1 - b1) * g
+                v = b2 * self._s("v", i, p) + (1 - b2) * g ** 2
+                self.state[("m", i)], self.state[("v", i)] = m, v
+                new = p - a_t * m / (np.sqrt(v) + eps)
+            elif name == "adamax":
+                b1, b2, eps = hp["beta1"], hp["beta2"], hp["epsilon"]
+                a_t = lr / (1 - b1 ** t)
+                m = b1 * self._s("m", i, p) + (1 - b1) * g
+                u = np.maximum(b2 * self._s("u", i, p), np.abs(g))
+                self.state[("m", i)], self.state[("u", i)] = m, u
+                new = p - a_t * m / (u + eps)
+            else:
+                raise AssertionError(name)
+            out.append(new)
+        return out
+
+
+# ------------------------------------------------------------------------------------------
+# the synkhronos session
+
+
+def build_model(x, y, tag):
+    params = [pytensor.shared(v, name=f"{tag}_{n}") for v, n in zip(init_params(), ("W1", "b1", "W2", "b2"))]
+    W1, b1, W2, b2 = params
+    h = pt.tanh(x @ W1 + b1)
+    logp = pt.special.log_softmax(h @ W2 + b2, axis=-1)
+    loss = -pt.mean(logp[pt.arange(y.shape[0]), y])
+    return loss, params
+
+
+@pytest.fixture(scope="module")
+def session():
+    synk.fork(n_parallel=2)
+    try:
+        x = pt.matrix("x", dtype="float32")
+        y = pt.ivector("y")
+        steps = {}
+        for name, hp in RULES.items():
+            loss, params = build_model(x, y, name)
+            steps[name] = train.make_train_function(loss, params, [x, y], getattr(updates, name), **hp)
+        # extra sessions: serial path only; index batch + slices; snapshot/restore
+        loss, params = build_model(x, y, "serial")
+        steps["serial"] = train.make_train_function(loss, params, [x, y], updates.adam)
+        loss, params = build_model(x, y, "sliced")
+        steps["sliced"] = train.make_train_function(loss, params, [x, y], updates.momentum,
+                                                    learning_rate=0.1)
+        synk.distribute()
+        yield steps
+    finally:
+        synk.close()
+
+
+def check_params(step, ref_params, all_ranks=True):
+    for var, ref in zip(step.params, ref_params):
+        got = var.get_value()
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, ref, rtol=RTOL, atol=ATOL, err_msg=var.name)
+        if all_ranks:
+            per_rank = synk.gather(var)
+            for r in range(1, len(per_rank)):
+                np.testing.assert_array_equal(per_rank[r], per_rank[0], err_msg=f"{var.name} rank {r}")
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_rule_tracks_serial(session, name):
+    step = session[name]
+    X, Y = make_data(BATCH)
+    xd, yd = synk.data(X), synk.data(Y)
+    ref = [p.astype(np.float64) for p in init_params()]
+    rule = NumpyRule(name, **RULES[name])
+    for k in range(STEPS):
+        loss = step(xd, yd)
+        ref_loss, grads = np_loss_grads(ref, X, Y)
+        # the flat gradient after the all-reduce is the full-batch gradient
+        np.testing.assert_allclose(step.grad_shared.get_value(),
+                                   np.concatenate([g.ravel() for g in grads]), rtol=RTOL, atol=ATOL)
+        ref = rule.step(ref, grads)
+        assert np.ndim(loss) == 0
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=f"step {k}")
+        check_params(step, ref)
+
+
+def test_serial_path_matches_reference(session):
+    step = session["serial"]
+    X, Y = make_data(BATCH, seed=2)
+    ref = [p.astype(np.float64) for p in init_params()]
+    rule = NumpyRule("adam")
+    for _ in range(STEPS):
+        loss = step.serial(X, Y)
+        ref_loss, grads = np_loss_grads(ref, X, Y)
+        ref = rule.step(ref, grads)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+        check_params(step, ref, all_ranks=False)
+
+
+def test_index_batch_with_slices_and_restore(session):
+    step = session["sliced"]
+    X, Y = make_data(20, seed=3)
+    xd, yd = synk.data(X), synk.data(Y)
+    idx = np.array([17, 3, 0, 9, 12, 5, 19, 8])
+    snap = step.snapshot()
+    ref = [p.astype(np.float64) for p in init_params()]
+    rule = NumpyRule("momentum", learning_rate=0.1)
+    for _ in range(2):
+        loss = step(xd, yd, batch=idx, num_slices=2)
+        ref_loss, grads = np_loss_grads(ref, X[idx], Y[idx])
+        ref = rule.step(ref, grads)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+        check_params(step, ref)
+    step.restore(snap)
+    for var, val in zip(step.state_vars, snap):
+        for r, got in enumerate(synk.gather(var)):
+            np.testing.assert_array_equal(got, val, err_msg=f"{var.name} rank {r}")
+    # restored state (incl. velocities) gives the first step again
+    loss = step(xd, yd, batch=idx)
+    first_loss, grads = np_loss_grads([p.astype(np.float64) for p in init_params()], X[idx], Y[idx])
+    np.testing.assert_allclose(loss, first_loss, rtol=1e-5)
+    check_params(step, NumpyRule("momentum", learning_rate=0.1).step(
+        [p.astype(np.float64) for p in init_params()], grads))
+
+
+# ------------------------------------------------------------------------------------------
+# graph-level checks (no compilation)
+
+
+@pytest.mark.parametrize("name", list(LASAGNE_DEFAULTS))
+def test_lasagne_defaults(name):
+    sig = inspect.signature(getattr(updates, name))
+    for k, v in LASAGNE_DEFAULTS[name].items():
+        assert sig.parameters[k].default == v, (name, k)
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_one_flat_gradient_and_single_time_step(name):
+    x = pt.matrix("x", dtype="float32")
+    y = pt.ivector("y")
+    loss, params = build_model(x, y, "g")
+    grad_updates, param_updates, grad_shared = getattr(updates, name)(loss, params, **RULES[name])
+    assert len(grad_updates) == 1 and grad_updates[0][0] is grad_shared
+    assert grad_shared.ndim == 1 and grad_shared.dtype == "float32"
+    assert grad_shared.get_value().size == sum(p.get_value().size for p in params)
+    targets = [v for v, _ in param_updates]
+    assert len({id(v) for v in targets}) == len(targets), "a variable is updated twice"
+    for p in params:
+        assert any(v is p for v in targets)
+    for v, e in param_updates:
+        assert e.dtype == v.dtype, (v, e)
+    if name in ("adam", "adamax"):
+        assert sum(v.name == "t_prev" for v in targets) == 1
+
+
+def test_apply_momentum_forms():
+    p = pytensor.shared(np.ones(3, np.float32), name="p")
+    q = pytensor.shared(np.ones(2, np.float32), name="q")
+    ups = [(p, p - 1), (q, q * 2)]
+    for fn in (updates.apply_momentum, updates.apply_nesterov_momentum):
+        a = fn(ups)                                   # Lasagne: every updated param
+        assert len(a) == 4 and a[0][0] is p and a[1][0] is q
+        b = fn(dict(ups), [p], momentum=0.5)          # only p
+        assert len(b) == 3
+        c = fn(ups, 0.5)                              # original synkhronos: (updates, momentum)
+        assert len(c) == 4
+
+
+def test_bad_params():
+    x = pt.vector("x", dtype="float32")
+    with pytest.raises(ValueError, match="empty"):
+        updates.sgd(x.sum(), [], 0.1)
+    with pytest.raises(TypeError, match="shared"):
+        updates.sgd(x.sum(), [x], 0.1)
+
+
+def test_gradients_instead_of_loss():
+    x = pt.matrix("x", dtype="float32")
+    y = pt.ivector("y")
+    loss, params = build_model(x, y, "lg")
+    grads = pytensor.grad(loss, params)
+    grad_updates, param_updates, grad_shared = updates.adam(grads, params)
+    assert grad_shared.get_value().size == sum(p.get_value().size for p in params)
+    assert len(param_updates) == 3 * len(params) + 1
+    with pytest.raises(ValueError, match="gradients"):
+        updates.sgd(grads[:2], params, 0.1)
