@@ -270,6 +270,12 @@ def _stage_for_reduce(env, vid):
     return flat, False
 
 
+def _open_all(env, vids):
+    """Flat views of every rank's slot of each variable (attaching peers' segments)."""
+    return [[env.slots.view(vid, r, np.dtype(env.shareds[vid].type.dtype)).reshape(-1)
+             for r in range(env.n)] for vid in vids]
+
+
 def _check_equal_shapes(env, vids, what):
     for vid in vids:
         shapes = [env.slots.shape(vid, r) for r in range(env.n)]
@@ -282,12 +288,13 @@ def _op_all_reduce(env, vids, op):
     if env.n == 1:
         return
     own = [_stage_for_reduce(env, vid) for vid in vids]
-    env.barrier()
-    _check_equal_shapes(env, vids, "all_reduce")
-    for vid, (src, in_slot) in zip(vids, own):
+    env.barrier(check_after=False)
+    _check_equal_shapes(env, vids, "all_reduce")     # every rank raises alike
+    all_views = _open_all(env, vids)                 # may fail (e.g. out of descriptors) ...
+    env.barrier()                                    # ... so nobody writes unless all opened
+    for vid, (src, in_slot), views in zip(vids, own, all_views):
         var = env.shareds[vid]
         dtype = np.dtype(var.type.dtype)
-        views = [env.slots.view(vid, r, dtype).reshape(-1) for r in range(env.n)]
         srcs = list(views)
         if not in_slot:
             srcs[env.rank] = src
@@ -306,16 +313,18 @@ def _op_reduce(env, vids, op, dest_descs):
                 np.copyto(env.view(desc), _live(var, np.dtype(var.type.dtype)), casting="unsafe")
         return
     own = [_stage_for_reduce(env, vid) for vid in vids]
-    env.barrier()
+    env.barrier(check_after=False)
     _check_equal_shapes(env, vids, "reduce")
-    for vid, desc, (src, in_slot) in zip(vids, dest_descs, own):
+    all_views = _open_all(env, vids)
+    dests = [views[env.master_rank] if desc is None else env.view(desc).reshape(-1)
+             for views, desc in zip(all_views, dest_descs)]
+    env.barrier()                                    # all opened: now everyone writes
+    for vid, desc, (src, in_slot), views, dest in zip(vids, dest_descs, own, all_views, dests):
         var = env.shareds[vid]
         dtype = np.dtype(var.type.dtype)
-        views = [env.slots.view(vid, r, dtype).reshape(-1) for r in range(env.n)]
         srcs = list(views)
         if not in_slot:
             srcs[env.rank] = src
-        dest = views[env.master_rank] if desc is None else env.view(desc).reshape(-1)
         bounds = _chunks(src.size, env.n, dtype.itemsize)
         _reduce_chunk(op, srcs, [dest], bounds[env.rank], bounds[env.rank + 1], env.n, dtype)
         if desc is None and env.is_master:
@@ -336,23 +345,27 @@ def _op_broadcast(env, vids, split):
             src = env.slots.view(vid, env.master_rank, np.dtype(var.type.dtype))
             env.slots.publish(vid, var, src)
         return
-    if not env.is_master:
+    targets = []
+    if not env.is_master:     # size the slots now; point the variables at them once written
         for vid in vids:
             var = env.shareds[vid]
             dtype = np.dtype(var.type.dtype)
-            var.container.storage[0] = env.slots.ensure(vid, dtype, env.slots.shape(vid, env.master_rank))
+            targets.append((var, env.slots.ensure(vid, dtype, env.slots.shape(vid, env.master_rank))))
     env.barrier()
-    for vid in vids:
+    all_views = _open_all(env, vids)
+    env.barrier()                                    # all opened: now everyone writes
+    for vid, views in zip(vids, all_views):
         dtype = np.dtype(env.shareds[vid].type.dtype)
-        src = env.slots.view(vid, env.master_rank, dtype).reshape(-1)
+        src = views[env.master_rank]
         bounds = _chunks(src.size, env.n, dtype.itemsize)
         a, b = bounds[env.rank], bounds[env.rank + 1]
         if b <= a:
             continue
         for r in range(env.n):
             if r != env.master_rank:
-                dst = env.slots.view(vid, r, dtype).reshape(-1)
-                np.copyto(dst[a:b], src[a:b])
+                np.copyto(views[r][a:b], src[a:b])
+    for var, view in targets:
+        var.container.storage[0] = view
 
 
 def _op_publish(env, vids, rank=None):
@@ -427,7 +440,7 @@ def master_env(rt):
     if getattr(rt, "coll_env", None) is None:
         rt.coll_env = Env(rt.rank, rt.n, rt.master_rank, rt.shareds,
                           Slots(rt.prefix, rt.rank, rt.n, len(rt.shareds), create=True),
-                          lambda: rt.transport.barrier(rt.alive_check), _master_view)
+                          lambda check_after=True: rt.transport.barrier(rt.alive_check, check_after), _master_view)
     return rt.coll_env
 
 

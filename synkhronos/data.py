@@ -180,6 +180,7 @@ class Data:
             return
         old = self._arr
         n_items = max(size, int(size * oversize))
+        shm.check_space(n_items * self._dtype.itemsize)
         self._gen += 1
         seg = shm.Segment(f"{rt.prefix}_d{self.ID}_{self._gen}", n_items * self._dtype.itemsize, create=True)
         new = seg.array(self._dtype, shape)

@@ -17,7 +17,7 @@ import weakref
 import posix_ipc
 
 from . import shm
-from .debug import compare, fingerprint
+from .debug import DebugMismatch, compare, fingerprint
 from .debug import enabled as debug_enabled
 from .device import select_device
 from .errors import Aborted, WorkerDied, WorkerError
@@ -53,6 +53,7 @@ class Runtime:
         self.shared_ids = {}       # id(var) -> index
         self.forget = []           # segment names workers should drop (piggybacked)
         self.inflight = False
+        self.owed, self.replies = set(), {}   # ranks that still owe a reply to the command in flight
         self.n_data = 0
         self.datas = weakref.WeakSet()
         self.lock = threading.RLock()  # one command at a time, whichever thread calls
@@ -73,7 +74,7 @@ class Runtime:
                 env["PYTHONPATH"] = os.pathsep.join(
                     [pkg_parent] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
                 self.procs[r] = subprocess.Popen(
-                    [sys.executable, "-m", "synkhronos.worker", json.dumps(dict(cfg, rank=r))],
+                    [sys.executable, "-P", "-m", "synkhronos.worker", json.dumps(dict(cfg, rank=r))],
                     env=env, stdin=subprocess.DEVNULL, close_fds=True)
             self.device.init_master(self.rank)
             deadline = time.monotonic() + timeout
@@ -86,11 +87,24 @@ class Runtime:
             if errors:
                 raise WorkerError(errors, "start-up")
         except _Dead as d:
+            err = self._startup_error(d.rank)
             self.shutdown(graceful=False)
+            if err is not None:       # it reported why before exiting: show its traceback
+                raise WorkerError({d.rank: err}, "start-up") from None
             raise WorkerDied(d.rank, d.returncode, "start-up") from None
         except BaseException:
             self.shutdown(graceful=False)
             raise
+
+    def _startup_error(self, rank):
+        """The error a worker that died during start-up replied with, if any."""
+        try:
+            if self.transport.done[rank].value > 0:
+                status, payload = self.transport.read_reply(rank)
+                return payload if status != "ok" else None
+        except Exception:
+            pass
+        return None
 
     def _alive_fn(self, deadline=None, what="command"):
         procs = self.procs
@@ -117,7 +131,11 @@ class Runtime:
         if t is not None and graceful and self.procs:
             try:
                 if self.inflight:
-                    self._collect(time.monotonic() + 5.0)
+                    try:
+                        self._collect(time.monotonic() + 5.0)
+                    except TimeoutError:
+                        pass
+                self.owed = set(t.workers)
                 t.send(("quit", (), []))
                 self._collect(time.monotonic() + 5.0)
             except BaseException:
@@ -157,14 +175,17 @@ class Runtime:
             raise WorkerDied(d.rank, d.returncode) from None
 
     def _collect(self, deadline=None, what="command"):
-        """Wait for every worker's reply to the command in flight; return {rank: reply}."""
+        """Wait for the replies still owed for the command in flight; return {rank: reply}.
+
+        A reply read before an interruption is kept, so an interrupted collect resumes
+        where it stopped instead of waiting for a reply that was already consumed."""
         alive = self._alive_fn(deadline, what)
-        replies = {}
-        for r in self.transport.workers:
+        for r in sorted(self.owed):
             self.transport.wait_done(r, alive)
-            replies[r] = self.transport.read_reply(r)
+            self.replies[r] = self.transport.read_reply(r)
+            self.owed.discard(r)
         self.inflight = False
-        return replies
+        return self.replies
 
     def execute(self, name, args=(), local=None, master_first=False, what=None):
         """Run command ``name`` on every worker and ``local()`` in the master.
@@ -196,6 +217,7 @@ class Runtime:
                 fp = fingerprint(t.seq + 1, name, args, self.shareds)
             t.send((name, args, forget))
             self.inflight = True
+            self.owed, self.replies = set(t.workers), {}
             if local is not None:
                 try:
                     local_result = local()
@@ -219,13 +241,16 @@ class Runtime:
                 self.shutdown(graceful=False)
             raise WorkerDied(d.rank, d.returncode, what) from None
         errors = {r: rep[1] for r, rep in replies.items() if rep[0] == "err"}
+        if t.aborted() or errors or local_exc is not None:
+            t.drain()
         if self.debug:
             fps = {r: rep[2] if len(rep) > 2 else None for r, rep in replies.items()}
             fps[self.rank] = fp
             self.debug_log.append(fps)
-            compare(self.rank, fps)
-        if t.aborted() or errors or local_exc is not None:
-            t.drain()
+            try:
+                compare(self.rank, fps)
+            except DebugMismatch as e:
+                raise e from (WorkerError(errors, what) if errors else local_exc)
         if isinstance(local_exc, Aborted) and errors:
             local_exc = None            # the master only stopped because a worker failed
         if local_exc is not None:

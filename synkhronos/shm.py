@@ -31,6 +31,10 @@ class Segment:
         size = shm.size
         try:
             self.mm = mmap.mmap(shm.fd, size)
+        except BaseException:
+            if create:
+                unlink_segment(name)
+            raise
         finally:
             shm.close_fd()
         self.name, self.size, self.owner = name, size, create
@@ -41,6 +45,19 @@ class Segment:
 
     def unlink(self):
         unlink_segment(self.name)
+
+
+def check_space(nbytes):
+    """MemoryError if ``nbytes`` cannot fit in the shared-memory filesystem now (a write
+    past its free space would kill the process with SIGBUS instead)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise MemoryError(f"cannot allocate {nbytes / 2**20:.1f} MiB of shared memory: only "
+                          f"{free / 2**20:.1f} MiB free in {SHM_DIR}")
 
 
 def unlink_segment(name):
@@ -58,7 +75,7 @@ def remove_all(prefix):
     """Unlink every segment and semaphore whose name starts with ``prefix``.
 
     Returns the number removed.  Safe to call from any rank, any number of times."""
-    base = prefix.lstrip("/")
+    base = prefix.lstrip("/") + "_"      # this session's names only, never a longer prefix
     removed = 0
     try:
         entries = os.listdir(SHM_DIR)
@@ -69,13 +86,13 @@ def remove_all(prefix):
             try:
                 posix_ipc.unlink_shared_memory("/" + entry)
                 removed += 1
-            except posix_ipc.ExistentialError:
+            except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
                 pass
         elif entry.startswith("sem." + base):
             try:
                 posix_ipc.unlink_semaphore("/" + entry[4:])
                 removed += 1
-            except posix_ipc.ExistentialError:
+            except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
                 pass
     return removed
 

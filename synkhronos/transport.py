@@ -10,6 +10,7 @@ alive (and, inside a multi-phase command, whether another rank aborted it).
 Another transport (MPI, sockets) only has to provide the same methods."""
 import os
 import pickle
+import re
 import struct
 from os import sched_yield as _yield
 from time import perf_counter as _now
@@ -173,8 +174,10 @@ class ShmTransport:
     def aborted(self):
         return int(self.ctrl[ABORT_SEQ]) == self.seq
 
-    def barrier(self, alive):
-        """All ranks meet; raises Aborted if any rank aborted the current command."""
+    def barrier(self, alive, check_after=True):
+        """All ranks meet; raises Aborted if any rank aborted the current command (also when
+        every post had already arrived, unless ``check_after`` is False: then the caller
+        checks, e.g. after an error that every rank must raise alike)."""
         if self.n == 1:
             return
         for r in range(self.n):
@@ -189,11 +192,23 @@ class ShmTransport:
 
         for _ in range(self.n - 1):
             _wait(mine, self.TICK_BUSY, ok, self.SPIN)
+        if check_after and self.aborted():   # the posts were all there, but it was aborted
+            raise Aborted("another rank failed during this command")
 
     def close(self):
         self.mailbox.close()
         if self.is_master:
             shm.remove_all(self.prefix)
+
+
+_SESSION_CTRL = re.compile(r"synk_[0-9a-f]{16}_ctrl")
+
+
+def seg_owner(name):
+    try:
+        return os.stat(os.path.join(shm.SHM_DIR, name + "_ctrl")).st_uid
+    except OSError:
+        return -1
 
 
 def reap_stale_sessions():
@@ -202,7 +217,7 @@ def reap_stale_sessions():
     A session cleans up after itself on close, on a master's SIGTERM and when its master
     dies; only when every process of a session was killed at once is there nobody left to
     do it.  Returns the number of sessions removed."""
-    prefixes = {e.split("_ctrl")[0] for e in shm.leftovers("synk_") if e.endswith("_ctrl")}
+    prefixes = {e[:-len("_ctrl")] for e in shm.leftovers("synk_") if _SESSION_CTRL.fullmatch(e)}
     reaped = 0
     for p in prefixes:
         try:
@@ -210,7 +225,7 @@ def reap_stale_sessions():
             pid = int(seg.array("int64", (_GEN_BASE,))[MASTER_PID])
         except (OSError, ValueError, posix_ipc.Error):
             continue
-        if pid <= 0:
+        if pid <= 0 or seg_owner(p) != os.getuid():
             continue
         try:
             os.kill(pid, 0)

@@ -34,8 +34,8 @@ class WorkerContext:
             raise MasterDied("master process is gone")
         return True
 
-    def barrier(self):
-        self.transport.barrier(self.alive)
+    def barrier(self, check_after=True):
+        self.transport.barrier(self.alive, check_after)
 
     def view(self, desc):
         """numpy view of a Data from its descriptor ``(segment name, dtype, shape)``."""
@@ -77,6 +77,10 @@ def serve(cfg):
         except (MasterDied, ConnectionError):
             shm.remove_all(ctx.prefix)
             return 0
+        except Exception:          # could not read the command (e.g. out of file descriptors)
+            transport.abort_from_worker()
+            transport.reply(("err", traceback.format_exc()))
+            continue
         ctx.forget(forget)
         fp = None
         try:
@@ -102,6 +106,20 @@ def serve(cfg):
             return 0
 
 
+def _dump_private(prof, path):
+    """Write the profile with mode 0600, never through a symlink planted at ``path``."""
+    import marshal
+    prof.create_stats()
+    try:
+        os.unlink(path) if os.path.islink(path) else None
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        return
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        marshal.dump(prof.stats, fh)
+
+
 def main():
     # Ctrl-C in a terminal reaches the whole process group: only the master acts on it
     # (it aborts the command in flight); workers follow the master, or exit when it dies.
@@ -118,7 +136,7 @@ def main():
         try:
             return prof.runcall(serve, cfg)
         finally:
-            prof.dump_stats(f"synk_worker_{cfg['rank']}.prof")
+            _dump_private(prof, f"synk_worker_{cfg['rank']}.prof")
     return serve(cfg)
 
 
