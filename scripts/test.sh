@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh test) and run the test suite. Extra args go to
+# Set up (scripts/setup.sh test docs demos) and run the test suite. Extra args go to
 # pytest. Slow tests are deselected unless -m is given or SYNK_SLOW=1.
 # Leftover /dev/shm/synk* segments or synkhronos.worker processes fail the run.
 set -euo pipefail
@@ -8,7 +8,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 export PYTHONUNBUFFERED=1
 
-bash scripts/setup.sh test
+bash scripts/setup.sh test docs demos   # demos and docs are tested too
 
 args=("$@")
 have_m=0
