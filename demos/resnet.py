@@ -1,0 +1,113 @@
+"""Train a ResNet on real handwritten digits, data-parallel over CPU worker processes.
+
+    .venv/bin/python demos/resnet.py                          # small ResNet, all cores
+    .venv/bin/python demos/resnet.py --n-parallel 1 --data-pattern scatter
+    .venv/bin/python demos/resnet.py --width 16 --blocks 2,2  # wider and deeper
+    .venv/bin/python demos/resnet.py --resnet50 --max-steps 1 --batch-size 4 --epochs 1
+
+The original Synkhronos shipped a ResNet-50 demo; this is its CPU counterpart, with models
+from ``demos/layers.py`` (pytensor-ml layers):
+
+* default: a small ResNet sized for two CPU cores and the 8x8 digits: a 3x3 conv stem
+  (``--width`` channels, 8 by default), then stages of basic residual blocks (``--blocks``,
+  one block in each of two stages by default; every stage after the first halves the
+  resolution and doubles the channels, through a strided 1x1 projection shortcut), global
+  average pooling and a 10-way softmax; batch norm after every convolution;
+* ``--resnet50``: the ResNet-50 architecture (the 7x7/2 stem and 3x3/2 max pool, bottleneck
+  stages of 3, 4, 6 and 3 blocks, 2048 channels at the end; 23.5 M parameters, 10
+  classes), on the digits upsampled to 32x32 (``--image-size``).  It is far too slow to
+  train on a few cores, but it builds and runs with e.g.
+  ``--max-steps 1 --batch-size 4 --epochs 1``.  Its functions are compiled in PyTensor's
+  ``FAST_COMPILE`` mode (NumPy implementations; ``--mode`` to change): the numba JIT of
+  its gradient graph did not finish within 15 minutes on a cold cache.  On Python 3.12.1,
+  ``synk.distribute()`` cannot pickle a graph this deep (pickle's C recursion limit, which
+  ``sys.setrecursionlimit`` does not raise; from about a hundred layers on, e.g. also
+  ``--blocks 3,3``): the demo then says so and runs the serial baseline alone.
+
+Batch normalization (see ``demos/layers.py``): in training every rank normalizes its own
+share of the batch with that share's statistics, as PyTorch's DistributedDataParallel does
+without SyncBatchNorm; the running mean and variance are updated by the gradient
+function in every rank from its own share and are *not* synchronized by the training
+step; before each evaluation they are averaged over the ranks with one
+``synk.all_reduce``, and evaluation normalizes with them.  So the data-parallel training
+is not step-for-step the serial one (which normalizes whole batches): the demo reports
+the difference and does not expect it to be small.
+
+Everything else (the serial baselines on all cores and on one thread through the same
+compiled graphs, the data patterns ``--data-pattern batch|scatter``, validation and test
+with ``num_slices``, the RESULT line) is ``demos/mnist_cnn.py``'s.
+"""
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mnist_cnn import check_args, common_parser, int_list, train_demo  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = common_parser(__doc__.split("\n\n")[0], epochs=15, batch_size=128)
+    p.add_argument("--width", type=int, default=8, help="channels of the stem and first stage")
+    p.add_argument("--blocks", type=int_list, default=(1, 1),
+                   help="basic blocks per stage (comma-separated; one stage per entry)")
+    p.add_argument("--resnet50", action="store_true",
+                   help="the ResNet-50 architecture instead (very slow on CPUs)")
+    p.add_argument("--image-size", type=int, default=None,
+                   help="resize the images to this many pixels square (bilinear); default: "
+                        "unchanged for the small ResNet, 32 for --resnet50")
+    p.add_argument("--mode", default=None,
+                   help="PyTensor compile mode: NUMBA (JIT-compiled, PyTensor's default) or "
+                        "FAST_COMPILE (NumPy implementations, no JIT); default: NUMBA, "
+                        "FAST_COMPILE for --resnet50")
+    a = check_args(p, p.parse_args(argv))
+    if a.mode is None:
+        a.mode = "FAST_COMPILE" if a.resnet50 else None
+    if a.width < 1:
+        p.error("--width must be at least 1")
+    if a.learning_rate is None and a.rule == "adam":
+        a.learning_rate = 3e-3          # batch norm trains well at a larger step than the MLP's 1e-3
+    if a.image_size is None and a.resnet50:
+        a.image_size = 32
+    if a.image_size is not None and a.image_size < 4:
+        p.error("--image-size must be at least 4")
+    return a
+
+
+def resize(data, size):
+    """The data set with every image resized to ``size`` x ``size`` (bilinear, scipy)."""
+    from scipy.ndimage import zoom
+    h, w = data["shape"]
+    if (h, w) == (size, size):
+        return data
+    out = dict(data)
+    for part in ("train", "valid", "test"):
+        X, y = data[part]
+        imgs = zoom(X.reshape(-1, h, w), (1, size / h, size / w), order=1, grid_mode=True,
+                    mode="grid-constant")
+        out[part] = (np.ascontiguousarray(np.clip(imgs, 0, 1).reshape(len(X), size * size),
+                                          dtype=np.float32), y)
+    out["shape"] = (size, size)
+    out["name"] = f"{data['name']} resized to {size}x{size}"
+    return out
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.mode is not None:
+        import pytensor
+        pytensor.config.mode = args.mode     # before any function is compiled
+        print(f"PyTensor mode: {args.mode}")
+    import layers                          # demos/layers.py (needs pytensor-ml)
+    prepare = None if args.image_size is None else (lambda d: resize(d, args.image_size))
+    if args.resnet50:
+        def build(x, h, w):
+            return layers.resnet50(x, h, w, seed=args.seed)
+    else:
+        def build(x, h, w):
+            return layers.resnet(x, h, w, width=args.width, blocks=args.blocks, seed=args.seed)
+    return train_demo(args, build, prepare)
+
+
+if __name__ == "__main__":
+    main()
