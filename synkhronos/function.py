@@ -524,6 +524,23 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
     return f
 
 
+def _graph_items(cores):
+    """Every variable and node of the compiled graphs in topological order.  Pickled ahead of
+    the functions, so that each node finds its inputs already pickled: the pickler's
+    recursion stays shallow however deep the graph (ResNet-50), instead of following one
+    owner -> inputs -> owner chain to the bottom."""
+    items = []
+    for c in cores:
+        for fn in (c.f, c.f_s):
+            if fn is not None:
+                fg = fn.maker.fgraph
+                items.extend(fg.inputs)
+                for node in fg.toposort():
+                    items.append(node)
+                    items.extend(node.outputs)
+    return items
+
+
 def distribute():
     """Replicate every function and its shared variables in all workers (once)."""
     rt = get_runtime()
@@ -541,7 +558,7 @@ def distribute():
     old = sys.getrecursionlimit()
     sys.setrecursionlimit(max(old, 50000))
     try:
-        payload = pickle.dumps((cores, shareds), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps((_graph_items(cores), cores, shareds), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:
         raise TypeError(f"synk.distribute() could not pickle the functions for the workers: {e!r}. "
                         "Every op and shared value must be picklable (ops defined in __main__ "
@@ -567,7 +584,7 @@ def distribute():
 @worker_command("distribute")
 def _w_distribute(ctx, payload):
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 50000))
-    cores, shareds = pickle.loads(payload)
+    _, cores, shareds = pickle.loads(payload)
     for c in cores:
         c.f.trust_input = True
         if c.f_s is not None:
