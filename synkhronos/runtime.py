@@ -71,10 +71,13 @@ class Runtime:
             for r in self.transport.workers:
                 env = dict(os.environ)
                 env.update(self.device.worker_env(r))
+                # the session's names go through the environment, which only this user can
+                # read (/proc/PID/environ), not the command line, which every user can
+                env["SYNK_WORKER_CONFIG"] = json.dumps(cfg)
                 env["PYTHONPATH"] = os.pathsep.join(
                     [pkg_parent] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
                 self.procs[r] = subprocess.Popen(
-                    [sys.executable, "-P", "-m", "synkhronos.worker", json.dumps(dict(cfg, rank=r))],
+                    [sys.executable, "-P", "-m", "synkhronos.worker", json.dumps({"rank": r})],
                     env=env, stdin=subprocess.DEVNULL, close_fds=True)
             self.device.init_master(self.rank)
             deadline = time.monotonic() + timeout

@@ -1,4 +1,5 @@
-"""Worker process main loop: ``python -m synkhronos.worker CONFIG``.
+"""Worker process main loop: ``python -m synkhronos.worker '{"rank": r}'``, with the session's
+configuration in the environment variable ``SYNK_WORKER_CONFIG``.
 
 A worker attaches to its master's control segment and semaphores, prepares its device,
 then executes commands until told to quit.  It checks every half second that its master
@@ -124,7 +125,8 @@ def main():
     # Ctrl-C in a terminal reaches the whole process group: only the master acts on it
     # (it aborts the command in flight); workers follow the master, or exit when it dies.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    cfg = json.loads(sys.argv[1])
+    cfg = json.loads(os.environ.pop("SYNK_WORKER_CONFIG"))
+    cfg.update(json.loads(sys.argv[1]))
     runtime.IN_WORKER = True
     for p in reversed(cfg.get("sys_path", [])):
         if p not in sys.path:
