@@ -44,7 +44,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import digits  # noqa: E402  (demos/digits.py)
-from mnist_mlp import RULE_LR, bar, machine_busy, make_epochs, usable_cores  # noqa: E402
+from mnist_mlp import (RULE_LR, bar, check_args, common_parser, machine_busy,  # noqa: E402
+                       make_epochs, usable_cores)
 
 
 def int_list(text):
@@ -55,43 +56,6 @@ def int_list(text):
     if not vals or min(vals) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return tuple(vals)
-
-
-def common_parser(description, epochs, batch_size):
-    """The options every demo of this family takes (those of ``demos/mnist_mlp.py``)."""
-    p = argparse.ArgumentParser(description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--n-parallel", type=int, default=None,
-                   help="number of ranks (processes); default: all usable cores")
-    p.add_argument("--epochs", type=int, default=epochs)
-    p.add_argument("--batch-size", type=int, default=batch_size,
-                   help="rows per step over all ranks (rounded down to a multiple of n-parallel)")
-    p.add_argument("--data-pattern", choices=("batch", "scatter"), default="batch")
-    p.add_argument("--rule", choices=sorted(RULE_LR), default="adam", help="update rule")
-    p.add_argument("--learning-rate", type=float, default=None,
-                   help="default: a sensible value for the rule")
-    p.add_argument("--mnist-dir", default=None,
-                   help="directory with the MNIST idx files (default: scikit-learn's bundled digits)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-steps", type=int, default=None, help="at most this many steps per epoch")
-    p.add_argument("--train-subset", type=int, default=None,
-                   help="use only the first N training images (quick runs)")
-    p.add_argument("--eval-slices", type=int, default=4,
-                   help="num_slices for validation/test: pieces each rank computes in turn")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
-    return p
-
-
-def check_args(p, a):
-    for name in ("epochs", "batch_size", "eval_slices"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("max_steps", "train_subset"):
-        if getattr(a, name) is not None and getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if a.n_parallel is not None and a.n_parallel < 1:
-        p.error("--n-parallel must be at least 1")
-    return a
 
 
 def parse_args(argv=None):

@@ -54,15 +54,15 @@ def usable_cores():
         return os.cpu_count() or 1
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def common_parser(description, epochs, batch_size):
+    """The options every demo of this family takes (those of ``demos/mnist_mlp.py``)."""
+    p = argparse.ArgumentParser(description=description,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--n-parallel", type=int, default=None,
                    help="number of ranks (processes); default: all usable cores")
-    p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=512,
+    p.add_argument("--epochs", type=int, default=epochs)
+    p.add_argument("--batch-size", type=int, default=batch_size,
                    help="rows per step over all ranks (rounded down to a multiple of n-parallel)")
-    p.add_argument("--hidden", type=int, default=1024, help="units in each of the 2 hidden layers")
     p.add_argument("--data-pattern", choices=("batch", "scatter"), default="batch")
     p.add_argument("--rule", choices=sorted(RULE_LR), default="adam", help="update rule")
     p.add_argument("--learning-rate", type=float, default=None,
@@ -76,12 +76,27 @@ def parse_args(argv=None):
     p.add_argument("--eval-slices", type=int, default=4,
                    help="num_slices for validation/test: pieces each rank computes in turn")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
-    a = p.parse_args(argv)
-    for name in ("epochs", "batch_size", "hidden", "eval_slices"):
+    return p
+
+
+def check_args(p, a):
+    for name in ("epochs", "batch_size", "eval_slices"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if a.max_steps is not None and a.max_steps < 1:
-        p.error("--max-steps must be at least 1")
+    for name in ("max_steps", "train_subset"):
+        if getattr(a, name) is not None and getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if a.n_parallel is not None and a.n_parallel < 1:
+        p.error("--n-parallel must be at least 1")
+    return a
+
+
+def parse_args(argv=None):
+    p = common_parser(__doc__.split("\n\n")[0], epochs=20, batch_size=512)
+    p.add_argument("--hidden", type=int, default=1024, help="units in each of the 2 hidden layers")
+    a = check_args(p, p.parse_args(argv))
+    if a.hidden < 1:
+        p.error("--hidden must be at least 1")
     return a
 
 

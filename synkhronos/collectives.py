@@ -276,6 +276,24 @@ def _open_all(env, vids):
              for r in range(env.n)] for vid in vids]
 
 
+def _prepare_reduction(env, vids, what):
+    """Phase 1 of all_reduce/reduce: stage the live values, meet, check shapes (every rank
+    raises alike), attach every rank's slots (may fail: the caller's next barrier makes sure
+    nobody writes unless every rank got this far)."""
+    own = [_stage_for_reduce(env, vid) for vid in vids]
+    env.barrier(check_after=False)
+    _check_equal_shapes(env, vids, what)
+    return own, _open_all(env, vids)
+
+
+def _sources(env, views, src, in_slot):
+    """The arrays to reduce: every rank's slot, this rank's own live value if not staged."""
+    srcs = list(views)
+    if not in_slot:
+        srcs[env.rank] = src
+    return srcs
+
+
 def _check_equal_shapes(env, vids, what):
     for vid in vids:
         shapes = [env.slots.shape(vid, r) for r in range(env.n)]
@@ -287,17 +305,12 @@ def _check_equal_shapes(env, vids, what):
 def _op_all_reduce(env, vids, op):
     if env.n == 1:
         return
-    own = [_stage_for_reduce(env, vid) for vid in vids]
-    env.barrier(check_after=False)
-    _check_equal_shapes(env, vids, "all_reduce")     # every rank raises alike
-    all_views = _open_all(env, vids)                 # may fail (e.g. out of descriptors) ...
-    env.barrier()                                    # ... so nobody writes unless all opened
+    own, all_views = _prepare_reduction(env, vids, "all_reduce")
+    env.barrier()                                    # all opened: now everyone writes
     for vid, (src, in_slot), views in zip(vids, own, all_views):
         var = env.shareds[vid]
         dtype = np.dtype(var.type.dtype)
-        srcs = list(views)
-        if not in_slot:
-            srcs[env.rank] = src
+        srcs = _sources(env, views, src, in_slot)
         bounds = _chunks(src.size, env.n, dtype.itemsize)
         _reduce_chunk(op, srcs, views, bounds[env.rank], bounds[env.rank + 1], env.n, dtype)
         var.container.storage[0] = views[env.rank].reshape(env.slots.shape(vid, env.rank))
@@ -312,19 +325,14 @@ def _op_reduce(env, vids, op, dest_descs):
             if desc is not None:
                 np.copyto(env.view(desc), _live(var, np.dtype(var.type.dtype)), casting="unsafe")
         return
-    own = [_stage_for_reduce(env, vid) for vid in vids]
-    env.barrier(check_after=False)
-    _check_equal_shapes(env, vids, "reduce")
-    all_views = _open_all(env, vids)
+    own, all_views = _prepare_reduction(env, vids, "reduce")
     dests = [views[env.master_rank] if desc is None else env.view(desc).reshape(-1)
              for views, desc in zip(all_views, dest_descs)]
     env.barrier()                                    # all opened: now everyone writes
     for vid, desc, (src, in_slot), views, dest in zip(vids, dest_descs, own, all_views, dests):
         var = env.shareds[vid]
         dtype = np.dtype(var.type.dtype)
-        srcs = list(views)
-        if not in_slot:
-            srcs[env.rank] = src
+        srcs = _sources(env, views, src, in_slot)
         bounds = _chunks(src.size, env.n, dtype.itemsize)
         _reduce_chunk(op, srcs, [dest], bounds[env.rank], bounds[env.rank + 1], env.n, dtype)
         if desc is None and env.is_master:

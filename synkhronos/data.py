@@ -72,7 +72,6 @@ class Data:
         self._rt_ref = weakref.ref(rt)
         self.ID = rt.n_data
         rt.n_data += 1
-        rt.datas.add(self)
         self._dtype = np.dtype(dtype)
         if not isinstance(ndim, (int, np.integer)) or ndim < 0:
             raise ValueError(f"ndim must be a non-negative int, got {ndim!r}")

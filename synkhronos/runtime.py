@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-import weakref
 
 import posix_ipc
 
@@ -55,7 +54,6 @@ class Runtime:
         self.inflight = False
         self.owed, self.replies = set(), {}   # ranks that still owe a reply to the command in flight
         self.n_data = 0
-        self.datas = weakref.WeakSet()
         self.lock = threading.RLock()  # one command at a time, whichever thread calls
         self.sliceable_lengths = {}   # tuple of var ids -> per-rank lengths (cache)
 
