@@ -214,7 +214,7 @@ def main():
     ns = [1, 2]
     total = len(models) * len(batches) * (len(ns) + 2) + (0 if args.skip_startup else 4 * len(models))
     prog = tqdm(total=total, desc="bench_training", file=sys.stderr)
-    from mnist_mlp import machine_busy
+    from harness import machine_busy
     load0 = load_note()
     thr, busy = {}, {}
     for n in ns:

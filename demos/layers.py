@@ -18,8 +18,8 @@ The layers are pytensor-ml's (``pip install pytensor-ml``, in the ``demos`` extr
   share of the batch with that share's mean and variance (as PyTorch's DDP without
   SyncBatchNorm does) and updates its own copy of the running mean and variance (an
   exponential moving average, momentum 0.1).  These copies are *not* synchronized by the
-  training step; ``train_demo`` (``mnist_cnn.py``) averages them over the ranks (one ``synk.all_reduce``)
-  before every evaluation, which then normalizes with the running statistics
+  training step; the demos' harness (``harness.run``) averages them over the ranks (one
+  ``synk.all_reduce``) before every evaluation, which then normalizes with the running statistics
   (``eval_logits``, through pytensor-ml's ``rewrite_for_prediction``).  The average of the
   ranks' running means is the running mean of whole batches; the average of their
   variances leaves out the spread between the ranks' means, so it is slightly low.

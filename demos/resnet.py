@@ -35,7 +35,8 @@ the difference and does not expect it to be small.
 
 Everything else (the serial baselines on all cores and on one thread through the same
 compiled graphs, the data patterns ``--data-pattern batch|scatter``, validation and test
-with ``num_slices``, the RESULT line) is ``demos/mnist_cnn.py``'s.
+with ``num_slices``, the comparison and the RESULT line) is ``demos/harness.py``'s, shared
+with ``mnist_mlp.py`` and ``mnist_cnn.py``.
 """
 import os
 import sys
@@ -43,30 +44,33 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mnist_cnn import check_args, common_parser, int_list, train_demo  # noqa: E402
+import harness  # noqa: E402  (demos/harness.py)
+
+# batch norm trains well at a larger step than the MLP's Adam 1e-3
+LEARNING_RATES = {**harness.RULE_LR, "adam": 3e-3}
 
 
 def parse_args(argv=None):
-    p = common_parser(__doc__.split("\n\n")[0], epochs=15, batch_size=128)
-    p.add_argument("--width", type=int, default=8, help="channels of the stem and first stage")
-    p.add_argument("--blocks", type=int_list, default=(1, 1),
-                   help="basic blocks per stage (comma-separated; one stage per entry)")
+    p = harness.make_parser(__doc__, epochs=15, batch_size=128, learning_rates=LEARNING_RATES)
+    p.add_argument("--width", type=harness.positive_int, default=8, metavar="C",
+                   help="channels of the stem and the first stage; each later stage doubles "
+                        "them (default: %(default)s)")
+    p.add_argument("--blocks", type=harness.int_list, default=(1, 1), metavar="N1,N2,...",
+                   help="basic blocks per stage, comma-separated; one stage per entry "
+                        "(default: 1,1)")
     p.add_argument("--resnet50", action="store_true",
-                   help="the ResNet-50 architecture instead (very slow on CPUs)")
-    p.add_argument("--image-size", type=int, default=None,
-                   help="resize the images to this many pixels square (bilinear); default: "
-                        "unchanged for the small ResNet, 32 for --resnet50")
-    p.add_argument("--mode", default=None,
-                   help="PyTensor compile mode: NUMBA (JIT-compiled, PyTensor's default) or "
-                        "FAST_COMPILE (NumPy implementations, no JIT); default: NUMBA, "
-                        "FAST_COMPILE for --resnet50")
-    a = check_args(p, p.parse_args(argv))
+                   help="build the ResNet-50 architecture instead of the small ResNet (very "
+                        "slow on CPUs: try --max-steps 1 --batch-size 4 --epochs 1)")
+    p.add_argument("--image-size", type=int, default=None, metavar="PIXELS",
+                   help="resize the images to PIXELS x PIXELS (bilinear); default: unchanged "
+                        "(8x8 digits) for the small ResNet, 32 for --resnet50")
+    p.add_argument("--mode", default=None, metavar="MODE",
+                   help="PyTensor compile mode: NUMBA (numba JIT) or FAST_COMPILE (NumPy "
+                        "implementations, no JIT); default: PyTensor's own (NUMBA) for the "
+                        "small ResNet, FAST_COMPILE for --resnet50")
+    a = harness.parse(p, argv)
     if a.mode is None:
         a.mode = "FAST_COMPILE" if a.resnet50 else None
-    if a.width < 1:
-        p.error("--width must be at least 1")
-    if a.learning_rate is None and a.rule == "adam":
-        a.learning_rate = 3e-3          # batch norm trains well at a larger step than the MLP's 1e-3
     if a.image_size is None and a.resnet50:
         a.image_size = 32
     if a.image_size is not None and a.image_size < 4:
@@ -106,7 +110,7 @@ def main(argv=None):
     else:
         def build(x, h, w):
             return layers.resnet(x, h, w, width=args.width, blocks=args.blocks, seed=args.seed)
-    return train_demo(args, build, prepare)
+    return harness.run(args, build, prepare)
 
 
 if __name__ == "__main__":

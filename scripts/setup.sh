@@ -3,7 +3,8 @@
 # synkhronos (editable) with the extras given as arguments.
 #   scripts/setup.sh            -> pip install -e .
 #   scripts/setup.sh test demos -> pip install -e ".[test,demos]"
-# Fast no-op when nothing changed (stamp file .venv/.synk-stamp).
+# Fast no-op when nothing changed (stamp file .venv/.synk-stamp); otherwise it says
+# what it installs and shows pip's output (progress bars only in a terminal).
 # Interpreter: $PYTHON, python3.13, python3.12, python3 (if >= 3.12), then
 # pyenv versions (${PYENV_ROOT:-~/.pyenv}/versions/3.12+), newest first.
 set -euo pipefail
@@ -87,9 +88,21 @@ echo "synkhronos setup: using $BASE_EXE ($VER), venv .venv"
 STAMP="$VENV/.synk-stamp"
 WANT="$( { cat pyproject.toml; echo "extras=$EXTRAS"; echo "py=$VER"; } | sha256sum | cut -d' ' -f1)"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
-    exit 0
+    exit 0            # nothing changed since the last install
 fi
 
 rm -f "$STAMP"
-"$PY" -m pip install -q -e "$SPEC" || die "pip install -e \"$SPEC\" failed"
+if [[ -n "$EXTRAS" ]]; then WHAT="synkhronos (editable) and extras ${EXTRAS}"; else WHAT="synkhronos (editable)"; fi
+echo "synkhronos setup: installing $WHAT with pip (this takes ~30 s the first time)..."
+START=$SECONDS
+if [[ -t 1 ]]; then
+    # a terminal: pip's own output and progress bars
+    "$PY" -m pip install -e "$SPEC" || die "pip install -e \"$SPEC\" failed"
+else
+    # a log or a pipe: pip's lines without progress bars (carriage returns) and without the
+    # long list of requirements that are already satisfied
+    "$PY" -m pip install --progress-bar off -e "$SPEC" 2>&1 \
+        | sed -u '/^Requirement already satisfied/d' || die "pip install -e \"$SPEC\" failed"
+fi
 echo "$WANT" > "$STAMP"
+echo "synkhronos setup: installed $WHAT in $((SECONDS - START)) s"

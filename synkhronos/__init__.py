@@ -8,11 +8,12 @@
 """
 import sys as _sys
 
-from .runtime import fork, close, debug_log
+from .session import fork, close, debug_log, session_info
 from .debug import DebugMismatch
 from .data import data, Data
 from .function import function, distribute, Function
-from .errors import SynkError, WorkerError, WorkerDied
+from .errors import (SynkError, WorkerError, WorkerDied, WorkerStopped, StallTimeout, RankLost,
+                     ForeignSession)
 from .collectives import (broadcast, scatter, gather, all_gather, reduce, all_reduce,
                           set_value, get_value, get_lengths, get_shapes)
 
@@ -22,4 +23,5 @@ __version__ = "0.1.0"
 __all__ = ["fork", "close", "data", "Data", "function", "distribute", "Function",
            "broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
            "set_value", "get_value", "get_lengths", "get_shapes",
-           "SynkError", "WorkerError", "WorkerDied", "DebugMismatch", "debug_log"]
+           "SynkError", "WorkerError", "WorkerDied", "WorkerStopped", "StallTimeout", "RankLost",
+           "ForeignSession", "DebugMismatch", "debug_log", "session_info"]

@@ -1,16 +1,18 @@
-"""``Data``: arrays in OS shared memory that every rank reads without copying.
+"""``Data``: arrays that every rank reads without copying (shared memory on one host).
 
-The master owns each Data's segment; workers attach lazily the first time a command
-names it and drop the mapping when the master tells them it is gone (piggybacked on the
-next command), so resizing, freeing or dropping a Data costs no extra round trip."""
+The master owns each Data's buffer (from the control plane); ranks attach lazily the first
+time a command names it and drop the mapping when the master tells them it is gone
+(piggybacked on the next command), so resizing, freeing or dropping a Data costs no extra
+round trip."""
 import math
 import operator
+import os
 import weakref
 
 import numpy as np
 
-from . import shm
-from .runtime import get_runtime
+from .plans import ArrayRef
+from .session import get_session
 
 
 def _check_oversize(oversize):
@@ -52,12 +54,15 @@ def condition(value, dtype, ndim, force_cast=False):
     return arr
 
 
-def _release(rt_ref, name):
-    """Finalizer of a dropped Data: unlink its segment, tell the workers on the next command."""
-    shm.unlink_segment(name)
+def _release(rt_ref, buf, pid):
+    """Finalizer of a dropped Data: free its buffer, tell the workers on the next command.
+    Never in a process forked from the session's: the buffer is the parent's."""
+    if os.getpid() != pid:
+        return
+    buf.release()
     rt = rt_ref()
     if rt is not None and not rt.closed:
-        rt.forget.append(name)
+        rt.forget.append(buf.handle)
 
 
 class Data:
@@ -68,7 +73,7 @@ class Data:
     new size fits.  Create it with ``synk.data(...)``."""
 
     def __init__(self, dtype, ndim, minibatch=False, name=None, _rt=None):
-        rt = _rt or get_runtime()
+        rt = _rt or get_session()
         self._rt_ref = weakref.ref(rt)
         self.ID = rt.n_data
         rt.n_data += 1
@@ -78,8 +83,7 @@ class Data:
         self._ndim = int(ndim)
         self._minibatch = bool(minibatch)
         self._name = name
-        self._seg = None
-        self._gen = 0
+        self._buf = None
         self._alloc = 0          # items allocated
         self._finalizer = None
         self._arr = np.empty((0,) * self._ndim, self._dtype)
@@ -156,7 +160,7 @@ class Data:
     def free_memory(self):
         """Release the shared memory everywhere; the Data becomes empty (shape of zeros)."""
         self._check_open()
-        self._drop_segment()
+        self._drop_buffer()
         self._alloc = 0
         self._arr = np.empty((0,) * self._ndim, self._dtype)
 
@@ -165,41 +169,40 @@ class Data:
         rt = self._rt_ref()
         if rt is None or rt.closed:
             raise RuntimeError("this Data belongs to a closed synkhronos session")
+        rt.check_usable()
         return rt
 
     def _reshape(self, shape, oversize, keep):
         oversize = _check_oversize(oversize)
         rt = self._check_open()
         size = math.prod(shape)
-        if tuple(shape) == self._arr.shape and (self._seg is not None or size == 0):
+        if tuple(shape) == self._arr.shape and (self._buf is not None or size == 0):
             return
         if size <= self._alloc:
-            old = self._arr
-            self._arr = self._seg.array(self._dtype, shape) if size else np.empty(shape, self._dtype)
+            self._arr = self._buf.array(self._dtype, shape) if size else np.empty(shape, self._dtype)
             return
         old = self._arr
         n_items = max(size, int(size * oversize))
-        shm.check_space(n_items * self._dtype.itemsize)
-        self._gen += 1
-        seg = shm.Segment(f"{rt.prefix}_d{self.ID}_{self._gen}", n_items * self._dtype.itemsize, create=True)
-        new = seg.array(self._dtype, shape)
+        buf = rt.ctx.control.alloc(n_items * self._dtype.itemsize)
+        new = buf.array(self._dtype, shape)
         if keep and old.ndim and old.shape[1:] == shape[1:]:
             rows = min(len(old), shape[0])
             new[:rows] = old[:rows]
-        self._drop_segment()
-        self._seg, self._alloc, self._arr = seg, n_items, new
-        self._finalizer = weakref.finalize(self, _release, self._rt_ref, seg.name)
+        self._drop_buffer()
+        self._buf, self._alloc, self._arr = buf, n_items, new
+        self._finalizer = weakref.finalize(self, _release, self._rt_ref, buf, os.getpid())
 
-    def _drop_segment(self):
+    def _drop_buffer(self):
         if self._finalizer is not None:
-            self._finalizer()          # unlinks and queues the name for the workers
+            self._finalizer()          # frees it and queues the handle for the workers
             self._finalizer = None
-        self._seg = None
+        self._buf = None
 
-    def _desc(self):
-        """What a worker needs to map this Data: (segment name, dtype, shape)."""
+    def _ref(self):
+        """What a rank needs to read this Data: an ``ArrayRef``."""
         arr = self._arr
-        return (self._seg.name if (self._seg is not None and arr.size) else None, arr.dtype.str, arr.shape)
+        return ArrayRef(self._buf.handle if (self._buf is not None and arr.size) else None, arr.dtype.str,
+                        arr.shape)
 
 
 def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=False,
@@ -209,7 +212,7 @@ def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=Fals
     dtype and ndim come from ``var`` (a PyTensor variable), else from ``dtype``/``ndim`` (or
     ``len(shape)``), else from ``value``.  ``value`` fills it; ``shape`` alone allocates
     zeros.  ``oversize`` in [1, 2] reserves extra room so later growth needs no new segment."""
-    get_runtime()
+    get_session()
     _check_oversize(oversize)
     if var is not None:
         vtype = getattr(var, "type", None)

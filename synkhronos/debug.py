@@ -29,12 +29,12 @@ def fingerprint(seq, name, args, shareds):
         op, vids = args[0], args[1]
         items = []
         for v in vids:
-            val = np.asarray(shareds[v].container.storage[0])
-            items.append((str(val.dtype), tuple(val.shape)))
+            val = shareds[v].container.storage[0]
+            items.append((str(np.dtype(val.dtype)), tuple(np.shape(val))))
         return (seq, name, op, tuple(items))
     if name == "call":
-        fid, descs = args[0], args[1]
-        return (seq, name, fid, tuple((np.dtype(d[1]).name, tuple(d[2][1:])) for d in descs))
+        plan = args[0]
+        return (seq, name, plan.fid, tuple((np.dtype(r.dtype).name, tuple(r.shape[1:])) for r in plan.inputs))
     return (seq, name, None, ())
 
 

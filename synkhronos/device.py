@@ -1,9 +1,15 @@
-"""Device backends: what one rank computes on, and how many of them a machine has.
+"""The device plane: what one rank computes on.
 
-The CPU backend gives each rank an equal share of the usable cores by limiting BLAS,
-OpenMP and numba threads, so that n processes do not oversubscribe the machine.
-A GPU backend (one rank per GPU, PyTensor's JAX backend, NCCL collectives) plugs in here."""
+A device says how many of its kind a machine has, how a worker process of a rank must be
+started (its environment), how functions are compiled for it, where a shared variable's
+value lives (``get``/``set`` its storage, without copies) and how arrays move between the
+host and the device.  ``placement`` tells the comm plane where arrays live.
+
+Implementations: ``CpuDevice`` (CPU cores; PyTensor's default backend, numba).  A GPU
+device (PyTensor's JAX backend, one GPU per rank) implements the same interface."""
 import os
+
+import numpy as np
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                 "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS",
@@ -18,8 +24,10 @@ def usable_cores():
 
 
 class Device:
-    """Interface of a device backend."""
+    """Interface of a device backend, bound to one rank's process."""
+
     kind = "abstract"
+    placement = "host"
 
     @staticmethod
     def count():
@@ -29,8 +37,9 @@ class Device:
     def __init__(self, n):
         self.n = n
 
+    # ---- processes -------------------------------------------------------------------------
     def worker_env(self, rank):
-        """Environment variables a worker process of this rank starts with."""
+        """Environment variables a worker process of ``rank`` starts with."""
         return {}
 
     def init_master(self, rank):
@@ -42,12 +51,44 @@ class Device:
     def init_worker(self, rank):
         """Prepare a freshly started worker process."""
 
+    # ---- compiling -------------------------------------------------------------------------
+    def compile(self, inputs, outputs, givens=None, **kwargs):
+        """A PyTensor function for this device that trusts its inputs (they are checked by
+        synkhronos in the master)."""
+        import pytensor
+        fn = pytensor.function(inputs, outputs, givens=givens, **kwargs)
+        fn.trust_input = True
+        return fn
+
+    def adopt(self, fn):
+        """Prepare a function unpickled in a worker."""
+        fn.trust_input = True
+        return fn
+
+    # ---- values ----------------------------------------------------------------------------
+    def get(self, var):
+        """The value a shared variable holds on this rank, where it lives (no copy)."""
+        return var.container.storage[0]
+
+    def set(self, var, value):
+        """Make ``value`` (an array of this device) the shared variable's value (no copy)."""
+        var.container.storage[0] = value
+
+    def to_host(self, arr):
+        """A numpy array of ``arr`` (a view where possible)."""
+        return np.asarray(arr)
+
+    def to_device(self, arr):
+        """``arr`` as an array of this device."""
+        return arr
+
     def describe(self):
         return f"{self.n} {self.kind} rank(s)"
 
 
 class CpuDevice(Device):
     """Ranks are CPU cores; each process gets ``cores // n`` threads (at least one)."""
+
     kind = "cpu"
 
     @staticmethod
@@ -102,9 +143,17 @@ class CpuDevice(Device):
         return f"{self.n} CPU ranks on {self.cores} usable cores, {self.threads} thread(s) each"
 
 
+DEVICES = {"cpu": CpuDevice}
+
+
 def gpu_count():
-    """Number of GPUs usable by the (future) GPU backend; 0 when it is not installed."""
+    """Number of GPUs usable by the GPU backend; 0 when it is not installed."""
     return 0
+
+
+def make_device(kind, n):
+    """The device of ``kind`` for ``n`` ranks (used by workers to rebuild the master's)."""
+    return DEVICES[kind](n)
 
 
 def select_device(n_parallel, use_gpu):

@@ -1,7 +1,7 @@
 """Exceptions raised by synkhronos.
 
 Every failure that happens inside a worker reaches the user as one of these, naming the
-rank and carrying the worker's own traceback text."""
+rank (and its host, where there are several) and carrying the worker's own traceback."""
 
 
 class SynkError(RuntimeError):
@@ -11,7 +11,7 @@ class SynkError(RuntimeError):
 class WorkerError(SynkError):
     """One or more workers raised an exception while running a command.
 
-    ``errors`` maps rank -> the worker's formatted traceback.  The runtime stays usable."""
+    ``errors`` maps rank -> the worker's formatted traceback.  The session stays usable."""
 
     def __init__(self, errors, what="command"):
         self.errors = dict(errors)
@@ -26,16 +26,57 @@ class WorkerError(SynkError):
         return sorted(self.errors)
 
 
-class WorkerDied(SynkError):
-    """A worker process exited or was killed.  The runtime has been closed;
-    call ``synk.fork()`` again to start a new one."""
+class RankLost(SynkError):
+    """A rank can no longer take part (it died, it is stopped, or it stalled past the
+    timeout).  The session has been closed; call ``synk.fork()`` to start a new one."""
 
-    def __init__(self, rank, returncode, what="command"):
-        self.rank, self.returncode = rank, returncode
-        how = f"was killed by signal {-returncode}" if returncode and returncode < 0 else f"exited with code {returncode}"
-        super().__init__(
-            f"synkhronos: worker rank {rank} {how} during {what}; the runtime was closed "
-            f"(call synk.fork() to start again).")
+    ranks = ()
+
+
+def _where(rank, host):
+    return f"rank {rank}" + (f" on host {host}" if host else "")
+
+
+class WorkerDied(RankLost):
+    """A worker process exited or was killed."""
+
+    def __init__(self, rank, returncode, what="command", host=None):
+        self.rank, self.returncode, self.host = rank, returncode, host
+        self.ranks = (rank,)
+        if returncode is None:
+            how = "is gone"
+        elif returncode < 0:
+            how = f"was killed by signal {-returncode}"
+        else:
+            how = f"exited with code {returncode}"
+        super().__init__(f"synkhronos: worker {_where(rank, host)} {how} during {what}; the session "
+                         "was closed (call synk.fork() to start again).")
+
+
+class WorkerStopped(RankLost):
+    """A worker process is stopped (SIGSTOP, a debugger): it cannot answer."""
+
+    def __init__(self, rank, seconds, what="command", host=None):
+        self.rank, self.host, self.seconds = rank, host, seconds
+        self.ranks = (rank,)
+        super().__init__(f"synkhronos: worker {_where(rank, host)} is stopped (process state T for "
+                         f"{seconds:.1f} s) during {what}; the session was closed (call synk.fork() to "
+                         "start again).")
+
+
+class StallTimeout(RankLost):
+    """Ranks did not answer within the session's ``timeout``."""
+
+    def __init__(self, ranks, seconds, what="command"):
+        self.ranks = tuple(ranks)
+        self.seconds = seconds
+        who = f"rank(s) {', '.join(map(str, self.ranks))}" if self.ranks else "the other ranks"
+        super().__init__(f"synkhronos: {who} did not answer within the timeout ({seconds:.1f} s) during "
+                         f"{what}; the session was closed (call synk.fork() to start again).")
+
+
+class ForeignSession(SynkError):
+    """The session belongs to another process (this one was forked from it)."""
 
 
 class MasterDied(SynkError):

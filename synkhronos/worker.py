@@ -1,57 +1,26 @@
 """Worker process main loop: ``python -m synkhronos.worker '{"rank": r}'``, with the session's
 configuration in the environment variable ``SYNK_WORKER_CONFIG``.
 
-A worker attaches to its master's control segment and semaphores, prepares its device,
-then executes commands until told to quit.  It checks every half second that its master
-is still alive; when the master is gone it removes the session's segments and exits."""
+A worker builds its device, control and comm planes from the configuration, then executes
+commands until told to quit.  Before each command it settles what the previous one left
+pending (the master says whether every rank succeeded).  It checks every half second
+that its master is still alive; when the master is gone it frees the session's shared
+resources and exits."""
 import json
 import os
 import signal
 import sys
 import traceback
 
-from . import runtime, shm
+from . import session, signals
+from .backends import BACKENDS
 from .commands import HANDLERS, worker_command
+from .control import Waiter
 from .debug import fingerprint
+from .device import make_device
 from .errors import Aborted, MasterDied
-from .transport import ShmTransport
-
-
-class WorkerContext:
-    """What a worker's command handlers can use."""
-
-    def __init__(self, cfg, transport):
-        self.rank, self.n = cfg["rank"], cfg["n"]
-        self.master_rank = cfg["master_rank"]
-        self.master_pid = cfg["master_pid"]
-        self.prefix = cfg["prefix"]
-        self.transport = transport
-        self.functions = []
-        self.shareds = []
-        self.segments = {}      # name -> Segment attached here
-
-    def alive(self):
-        if os.getppid() != self.master_pid:
-            raise MasterDied("master process is gone")
-        return True
-
-    def barrier(self, check_after=True):
-        self.transport.barrier(self.alive, check_after)
-
-    def view(self, desc):
-        """numpy view of a Data from its descriptor ``(segment name, dtype, shape)``."""
-        name, dtype, shape = desc
-        if name is None:
-            import numpy as np
-            return np.empty(shape, dtype)
-        seg = self.segments.get(name)
-        if seg is None:
-            seg = self.segments[name] = shm.Segment(name)
-        return seg.array(dtype, shape)
-
-    def forget(self, names):
-        for name in names:
-            self.segments.pop(name, None)
+from .launcher import master_watch
+from .rank import Rank
 
 
 @worker_command("quit")
@@ -60,50 +29,58 @@ def _quit(ctx):
 
 
 def serve(cfg):
-    transport = ShmTransport(cfg["prefix"], cfg["n"], cfg["rank"], cfg["master_rank"], create=False)
-    ctx = WorkerContext(cfg, transport)
+    backend = BACKENDS[cfg["backend"]]
+    rank = cfg["rank"]
+    waiter = Waiter(master_watch(cfg["master_pid"]), None, None)   # the master watches for stalls
+    control, comm = backend.attach(cfg, rank, waiter)
     debug = cfg.get("debug", False)
     try:
-        from .device import CpuDevice
-        CpuDevice(cfg["n"]).init_worker(cfg["rank"])
-        from . import function, collectives  # noqa: F401  (register their commands)
+        device = make_device(cfg["device"], cfg["n"])
+        device.init_worker(rank)
+        ctx = Rank(rank, cfg["n"], cfg["master_rank"], device, control, comm)
+        from . import function, rankops  # noqa: F401  (register their commands)
         import pytensor  # noqa: F401  (import before the first command, not during it)
-        transport.reply(("ok", os.getpid()))
+        control.reply(0, ("ok", os.getpid()))
     except BaseException:
-        transport.reply(("err", traceback.format_exc()))
+        control.reply(0, ("err", traceback.format_exc()))
         return 1
     while True:
         try:
-            name, args, forget = transport.recv(ctx.alive)
-        except (MasterDied, ConnectionError):
-            shm.remove_all(ctx.prefix)
+            seq, (name, args, forget, settle) = control.receive()
+        except MasterDied:
+            backend.worker_exit(cfg)
             return 0
         except Exception:          # could not read the command (e.g. out of file descriptors)
-            transport.abort_from_worker()
-            transport.reply(("err", traceback.format_exc()))
+            control.abort()
+            control.reply(control.seq, ("err", traceback.format_exc()))
             continue
-        ctx.forget(forget)
+        ctx.seq = seq
         fp = None
         try:
+            ctx.settle(settle)
+            control.forget(forget)
             if debug:
-                fp = fingerprint(transport.seq, name, args, ctx.shareds)
+                fp = fingerprint(seq, name, args, ctx.shareds)
             reply = ("ok", HANDLERS[name](ctx, *args))
         except Aborted:
             reply = ("aborted", None)
         except MasterDied:
-            shm.remove_all(ctx.prefix)
+            backend.worker_exit(cfg)
             return 0
         except BaseException:
-            transport.abort_from_worker()
+            control.abort()
             reply = ("err", traceback.format_exc())
+        finally:
+            signals.release()
         if debug:
             reply = reply + (fp,)
         try:
-            transport.reply(reply)
+            control.reply(seq, reply)
         except BaseException:
-            transport.reply(("err", traceback.format_exc()))
+            control.reply(seq, ("err", traceback.format_exc()))
         if name == "quit":
-            transport.mailbox.close()
+            control.close()
+            comm.close()
             return 0
 
 
@@ -127,7 +104,7 @@ def main():
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     cfg = json.loads(os.environ.pop("SYNK_WORKER_CONFIG"))
     cfg.update(json.loads(sys.argv[1]))
-    runtime.IN_WORKER = True
+    session.IN_WORKER = True
     for p in reversed(cfg.get("sys_path", [])):
         if p not in sys.path:
             sys.path.insert(0, p)

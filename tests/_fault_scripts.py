@@ -46,7 +46,7 @@ class FaultInjected(RuntimeError):
 
 def worker_rank():
     """This process's synkhronos rank if it is a worker, else None (the master)."""
-    import synkhronos.runtime as r
+    import synkhronos.session as r
     if not r.IN_WORKER:
         return None
     try:
@@ -111,7 +111,7 @@ def report(config, text):
 
 def with_trigger(values, rank, n):
     """A copy of ``values`` (1-D) with TRIGGER in the first row of ``rank``'s shard."""
-    from synkhronos.scatter import split
+    from synkhronos.shards import split
     v = np.array(values, dtype=np.float64, copy=True)
     b = split(len(v), n)
     assert b[rank + 1] > b[rank], "that rank has no rows"
@@ -174,7 +174,6 @@ def _session(n):
     import pytensor
     import pytensor.tensor as T
     import synkhronos as synk
-    import synkhronos.runtime as r
     import _fault_scripts as fs        # the importable module (this file runs as __main__)
     fs.quiet()
     synk.fork(n)
@@ -186,7 +185,7 @@ def _session(n):
     def f(data):
         return g(data)[0]
     assert f(np.arange(6.0)) == 15.0
-    return f, w, r._runtime
+    return f, w, synk.session_info()
 
 
 def _ctrl_c_later(delay):
@@ -225,17 +224,18 @@ def scenario_ctrl_c(where, then):
     stopped worker (``"barrier"``); ``then`` is ``"continue"`` (use the runtime again) or
     ``"close"``."""
     import synkhronos as synk
-    from synkhronos import shm
+    import synk_testutil as tu
     n = 3
-    f, w, rt = _session(n)
-    _info(prefix=rt.prefix, pids=[p.pid for p in rt.procs.values()])
-    res = dict(prefix=rt.prefix, pids=[p.pid for p in rt.procs.values()], step="call")
-    victim = rt.procs[2]
+    f, w, info = _session(n)
+    prefix, pids = info.resources["shm_prefix"], list(tu.worker_pids().values())
+    _info(prefix=prefix, pids=pids)
+    res = dict(prefix=prefix, pids=pids, step="call")
+    victim = tu.pid_of(2)
     before = [np.full(1000, float(r + 1)) for r in range(n)]
     for r in range(n):
         synk.set_value(r, w, before[r])
     if where == "barrier":
-        victim.send_signal(signal.SIGSTOP)
+        os.kill(victim, signal.SIGSTOP)
         data = None
     else:
         data = with_trigger(np.ones(6), 0 if where == "master" else 2, n)
@@ -252,8 +252,8 @@ def scenario_ctrl_c(where, then):
     res["ki_s"] = time.monotonic() - t0
     if where == "barrier":
         time.sleep(0.2)
-        victim.send_signal(signal.SIGCONT)
-    res["closed_after_ki"] = rt.closed
+        os.kill(victim, signal.SIGCONT)
+    res["closed_after_ki"] = not tu.is_open()
     _watchdog(res, SLEEP_S + 1.5)
     if then == "continue":
         res["step"] = "next command"
@@ -272,7 +272,7 @@ def scenario_ctrl_c(where, then):
     synk.close()
     res["close_s"] = time.monotonic() - t0
     res["step"] = "done"
-    res["left"] = shm.leftovers(rt.prefix)
+    res["left"] = tu.shm_entries(prefix)
     _result(**res)
 
 
@@ -280,8 +280,9 @@ def scenario_master_busy(what):
     """Print the session, then stay busy in a long call (``what="call"``: every rank sleeps
     SLEEP_S per call) or in a loop of collectives (``"collectives"``) until killed."""
     import synkhronos as synk
-    f, w, rt = _session(3)
-    _info(prefix=rt.prefix, pids=[p.pid for p in rt.procs.values()])
+    import synk_testutil as tu
+    f, w, info = _session(3)
+    _info(prefix=info.resources["shm_prefix"], pids=list(tu.worker_pids().values()))
     data = np.full(6, TRIGGER)
     t_end = time.monotonic() + 60
     while time.monotonic() < t_end:

@@ -1,8 +1,8 @@
 """Shared fixtures: every test module must leave no shared memory and no worker behind.
 
-Each runtime's shared-memory names start with a random session prefix; we record every
-prefix made in this process (by wrapping ``synkhronos.shm.new_prefix``) so that the leak
-check looks only at our own entries, not at those of another run on the same machine."""
+Each session's shared-memory names start with a random prefix; synkhronos appends every
+new prefix to the file named by ``SYNK_PREFIX_LOG`` (set up by ``synk_testutil``), so the
+leak checks look only at this run's own entries, not at those of another program."""
 import os
 import sys
 
@@ -10,21 +10,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import synk_testutil as tu  # noqa: E402  (sets SYNK_PREFIX_LOG before any session)
 import synkhronos  # noqa: E402
-from synkhronos import shm as _shm  # noqa: E402
-
-import synk_testutil as tu  # noqa: E402
-
-_orig_new_prefix = _shm.new_prefix
-
-
-def _recording_new_prefix():
-    p = _orig_new_prefix()
-    tu.PREFIXES.append(p)
-    return p
-
-
-_shm.new_prefix = _recording_new_prefix
 
 
 def _close_quietly():
@@ -38,13 +25,12 @@ def _close_quietly():
 def no_leaks_after_module():
     """After the module (and its fork fixtures) is done: no /dev/shm entry of any session
     started in it, no ``synkhronos.worker`` child process, no open runtime."""
-    first = len(tu.PREFIXES)
+    first = len(tu.prefixes())
     yield
-    rt = tu.runtime()
-    still_open = rt is not None and not rt.closed
+    still_open = tu.is_open()
     if still_open:
         _close_quietly()
-    prefixes = tu.PREFIXES[first:]
+    prefixes = tu.prefixes()[first:]
     # close() is synchronous; the short wait only covers a worker that is exiting on its own
     tu.wait_until(lambda: not tu.entries_of(prefixes), 5.0)
     left = tu.entries_of(prefixes)
@@ -63,7 +49,7 @@ def no_leaks_after_module():
             except OSError:
                 pass
     for p in prefixes:
-        _shm.remove_all(p)
+        tu.remove_all(p)
     if problems:
         pytest.fail("; ".join(problems), pytrace=False)
 
@@ -71,10 +57,10 @@ def no_leaks_after_module():
 @pytest.fixture
 def assert_clean():
     """Function-level check for tests that fork and close their own sessions."""
-    first = len(tu.PREFIXES)
+    first = len(tu.prefixes())
 
     def check():
-        prefixes = tu.PREFIXES[first:]
+        prefixes = tu.prefixes()[first:]
         assert tu.entries_of(prefixes) == []
         assert tu.worker_children() == []
     return check

@@ -1,13 +1,98 @@
-"""Helpers shared by the synkhronos tests: /dev/shm entries, worker processes, waiting."""
+"""Helpers shared by the synkhronos tests: the session's ranks and resources (through the
+public ``synk.session_info()``), /dev/shm entries, worker processes, signals, waiting."""
 import os
+import signal
+import tempfile
 import time
 
-from synkhronos import shm
+import synkhronos as synk
+from synkhronos.backends import shm
 
-# Every session prefix made by a runtime in this (pytest) process, in order of creation.
-# conftest.py records them by wrapping ``synkhronos.shm.new_prefix``.
-PREFIXES = []
+# Every new session prefix is appended to this file by synkhronos (SYNK_PREFIX_LOG), in this
+# process and in every program the tests start: the leak checks look only at those.
+if not os.environ.get("SYNK_PREFIX_LOG"):
+    _fd, _path = tempfile.mkstemp(prefix="synk-test-prefixes-")
+    os.close(_fd)
+    os.environ["SYNK_PREFIX_LOG"] = _path
+PREFIX_LOG = os.environ["SYNK_PREFIX_LOG"]
 
+
+def prefixes():
+    """Every session prefix made so far by this test run, in order of creation."""
+    try:
+        with open(PREFIX_LOG) as fh:
+            return [ln.strip() for ln in fh if ln.strip()]
+    except OSError:
+        return []
+
+
+# ---- the current session ----------------------------------------------------------------------
+
+def info():
+    """``synk.session_info()`` (None when no session)."""
+    return synk.session_info()
+
+
+def is_open():
+    i = info()
+    return i is not None and i.open
+
+
+def prefix():
+    """The shared-memory name prefix of the current session."""
+    return info().resources["shm_prefix"]
+
+
+def pid_of(rank):
+    """The process id of ``rank`` in the current session."""
+    for r in info().ranks:
+        if r.rank == rank:
+            return r.pid
+    raise KeyError(rank)
+
+
+def worker_pids():
+    i = info()
+    return {r.rank: r.pid for r in i.ranks if r.rank != i.master_rank}
+
+
+def commands_sent(name=None):
+    """Commands (named ``name``, or all) the master has sent so far in this session."""
+    counts = info().commands
+    return sum(counts.values()) if name is None else counts.get(name, 0)
+
+
+class CommandCounter:
+    """Commands the master sends from now on: ``n(name)``, ``names()``."""
+
+    def __init__(self):
+        self.start = dict(info().commands)
+
+    def n(self, name=None):
+        now = info().commands
+        if name is None:
+            return sum(now.values()) - sum(self.start.values())
+        return now.get(name, 0) - self.start.get(name, 0)
+
+    def names(self):
+        now = info().commands
+        return {k for k in now if now[k] != self.start.get(k, 0)}
+
+
+def signal_rank(rank, sig):
+    os.kill(pid_of(rank), sig)
+
+
+def kill_rank(rank, wait=True):
+    """SIGKILL ``rank`` and (by default) wait until it is gone."""
+    pid = pid_of(rank)
+    os.kill(pid, signal.SIGKILL)
+    if wait:
+        wait_until(lambda: not pid_running(pid), 5.0)
+    return pid
+
+
+# ---- /dev/shm and processes -------------------------------------------------------------------
 
 def shm_entries(prefix):
     """Our /dev/shm entries (segments and semaphores) whose name starts with ``prefix``."""
@@ -20,6 +105,10 @@ def entries_of(prefixes):
     for p in prefixes:
         out.extend(shm_entries(p))
     return sorted(set(out))
+
+
+def remove_all(prefix):
+    shm.remove_all(prefix)
 
 
 def _cmdline(pid):
@@ -88,7 +177,13 @@ def wait_until(pred, timeout, interval=0.05):
         time.sleep(interval)
 
 
-def runtime():
-    """The active synkhronos runtime object (internal), or None."""
-    import synkhronos.runtime as r
-    return r._runtime
+def backing_file(arr):
+    """The /dev/shm file whose mapping holds numpy array ``arr`` in this process, or None."""
+    addr = arr.__array_interface__["data"][0]
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            parts = line.split(None, 5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= addr < hi and len(parts) == 6 and parts[5].startswith("/dev/shm/"):
+                return parts[5].strip().replace(" (deleted)", "")
+    return None

@@ -96,7 +96,6 @@ def build_session(n):
     try:
         s = Session()
         s.n = n
-        s.rt = tu.runtime()
         # ---- f1: every reduce mode as an output ------------------------------------------
         x = T.matrix("x")
         y = T.vector("y")
@@ -331,21 +330,12 @@ def check_f3(s, out, z, zrows, S_list, t_list, batch_s, num_slices):
     np.testing.assert_array_equal(out[4], allv.min())
 
 
-class CallCounter:
+class CallCounter(tu.CommandCounter):
     """Counts the function-call commands the master sends to the workers."""
-
-    def __init__(self, monkeypatch, rt):
-        self.calls = []
-        orig = rt.execute
-
-        def execute(name, *a, **k):
-            self.calls.append(name)
-            return orig(name, *a, **k)
-        monkeypatch.setattr(rt, "execute", execute)
 
     @property
     def n_call(self):
-        return self.calls.count("call")
+        return self.n("call")
 
 
 # ------------------------------------------------------------------------------------------
@@ -671,7 +661,7 @@ def test_f3_length_mismatch_rejected_in_master(sess, monkeypatch):
     L = 2 * s.n + 1
     S_all, t_all = _S_data(rng, L)
     S_list, t_list = scatter_S(s, S_all, t_all)
-    cc = CallCounter(monkeypatch, s.rt)
+    cc = CallCounter()
     with pytest.raises(ValueError, match="agree"):
         s.f3(ints(rng, L + s.n))                   # more z rows than shared rows
     with pytest.raises(ValueError, match="agree"):
@@ -860,7 +850,7 @@ def test_bad_call_then_good_call(sess, idx, monkeypatch):
     # f2's update state must not change on a rejected call
     before = synk.gather([s.g, s.a, s.m, s.c]) if target == "f2" else None
     acc_before = synk.gather(s.acc) if target == "f4" else None
-    cc = CallCounter(monkeypatch, s.rt)
+    cc = CallCounter()
     with pytest.raises(exc):
         fn(*args, **kw)
     assert cc.n_call == 0, f"{name}: a call command reached the workers"
@@ -931,7 +921,7 @@ def test_none_output_when_master_share_empty(sess, request):
 
 def test_uint64_index_past_int64_rejected_in_master(sess, monkeypatch):
     s = sess
-    cc = CallCounter(monkeypatch, s.rt)
+    cc = CallCounter()
     for bad in (np.array([2 ** 64 - 1], np.uint64), np.array([0, 2 ** 63 + 5], np.uint64)):
         with pytest.raises(IndexError):
             s.f1(s.X_d, s.Y_d, s.W_d, batch=bad)
@@ -942,7 +932,7 @@ def test_uint64_batch_s_past_int64_rejected_in_master(sess, monkeypatch):
     s = sess
     rng = np.random.default_rng(41)
     scatter_S(s, *_S_data(rng, 2 * s.n))
-    cc = CallCounter(monkeypatch, s.rt)
+    cc = CallCounter()
     with pytest.raises(IndexError):
         s.f4(batch_s=np.array([2 ** 64 - 1], np.uint64))
     assert cc.n_call == 0
@@ -955,7 +945,7 @@ def test_batch_s_selecting_nothing(sess, monkeypatch):
     rng = np.random.default_rng(42)
     scatter_S(s, *_S_data(rng, 2 * s.n))
     for bs in ([], slice(1, 1), [[] for _ in range(s.n)]):
-        cc = CallCounter(monkeypatch, s.rt)
+        cc = CallCounter()
         try:
             out = s.f4(batch_s=bs)
         except (ValueError, IndexError) as e:

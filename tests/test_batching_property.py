@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import synkhronos as synk
-import synk_testutil as tu  # noqa: F401  (conftest puts tests/ on sys.path)
+import synk_testutil as tu  # conftest puts tests/ on sys.path
 from test_batching import (D, INT_DTYPES, build_session, check_f1, check_f2, check_f3, check_f4,
                            ints, per_rank, scatter_S, sel_rows, selected_rows, set_f2_state,
                            set_local_S, split)
@@ -39,19 +39,14 @@ def psess(request):
 
 
 @contextmanager
-def count_calls(rt):
-    """Records the names of the commands the master sends while active."""
-    names = []
-    orig = rt.execute
-
-    def execute(name, *a, **k):
-        names.append(name)
-        return orig(name, *a, **k)
-    rt.execute = execute
+def count_calls():
+    """The names of the commands the master sends while active."""
+    names = set()
+    counter = tu.CommandCounter()
     try:
         yield names
     finally:
-        del rt.execute            # back to the class method
+        names.update(counter.names())
 
 
 # ------------------------------------------------------------------------------------------
@@ -348,7 +343,7 @@ def test_random_bad_call_then_good_call(psess, data):
         args = (ints(rng, kw.pop("_z")),)
     if target == "f2":
         orig = set_f2_state(s, rng)
-    with count_calls(s.rt) as names:
+    with count_calls() as names:
         with pytest.raises(exc):
             getattr(s, target)(*args, **kw)
     assert "call" not in names, f"a rejected call reached the workers: {kw}"

@@ -23,15 +23,14 @@ def S():
         c8 = T.scalar("c", dtype="float32")
         f8 = synk.function([a8], (T.sum(a8 * c8), "sum"), bcast_inputs=[c8])
         synk.distribute()
-        rt = tu.runtime()
-        yield types.SimpleNamespace(f7=f7, f8=f8, rt=rt, prefix=rt.prefix, a=a, c8=c8,
-                                    worker_pid=rt.procs[1].pid)
+        yield types.SimpleNamespace(f7=f7, f8=f8, prefix=tu.prefix(), a=a, c8=c8,
+                                    worker_pid=tu.pid_of(1))
     finally:
         synk.close()
 
 
 def _shm_path(d):
-    return "/dev/shm/" + d._seg.name.lstrip("/")
+    return tu.backing_file(d.data)
 
 
 def _segments(S):
@@ -42,7 +41,7 @@ def _segments(S):
 # ---- creation -------------------------------------------------------------------------------
 
 def test_data_before_fork_is_an_error():
-    if tu.runtime() is not None:
+    if synk.session_info() is not None:
         pytest.skip("a session is open (module fixture already started)")
     with pytest.raises(RuntimeError, match="fork"):
         synk.data(np.zeros(3))

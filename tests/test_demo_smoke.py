@@ -35,3 +35,75 @@ def test_demo_one_short_epoch(pattern):
     # the serial baseline saw the same batches: same final loss up to float32 rounding
     m = re.search(r"final loss ([0-9.]+) vs ([0-9.]+)", out)
     assert m and abs(float(m.group(1)) - float(m.group(2))) < 1e-3, out
+
+
+@pytest.mark.parametrize("script", ["mnist_mlp.py", "mnist_cnn.py", "resnet.py"])
+def test_demo_help_states_each_default_once(script):
+    """``--help`` answers at once (nothing heavy imported) and every option's help says its
+    default exactly once, never as "(default: None)"."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "demos", script), "--help"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert "default: None" not in text and "default: False" not in text, text
+    options = text.split("\noptions:\n")[1].split("\nexamples:\n")[0]
+    entries = re.split(r"\n  (?=-)", "\n" + options.strip("\n"))
+    entries = [e for e in entries if e.strip() and not e.lstrip().startswith("-h, --help")]
+    assert len(entries) >= 13, entries
+    for e in entries:
+        name = e.split()[0]
+        n = e.count("default")
+        if name in ("--float64", "--no-progress", "--resnet50"):
+            assert n <= 1, e                 # flags: off unless given
+        else:
+            assert n == 1, f"{name}: 'default' {n} times:\n{e}"
+    for name in ("--epochs", "--data-pattern"):
+        entry = next(e for e in entries if e.split()[0] == name)
+        assert len(" ".join(entry.split()[2:])) > 20, entry     # a real help text
+
+
+def test_demo_output_has_no_bad_plurals_or_carriage_returns():
+    """One rank: "1 rank", never "1 ranks"; stderr not a terminal: no tqdm carriage returns."""
+    pytest.importorskip("sklearn")
+    cmd = [sys.executable, DEMO, "--n-parallel", "1", "--epochs", "1", "--max-steps", "3",
+           "--batch-size", "64", "--hidden", "64", "--learning-rate", "0.01"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env, cwd=ROOT)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}"
+    out = proc.stdout
+    assert "synkhronos (1 rank)" in out and "synkhronos (1 rank," in out, out
+    assert not re.search(r"\b1 (ranks|threads|epochs)\b", out), out
+    assert "\r" not in proc.stdout + proc.stderr
+
+
+def _harness():
+    sys.path.insert(0, os.path.join(ROOT, "demos"))
+    import harness
+    return harness
+
+
+def test_harness_progress_lines_and_load_verdict():
+    """Off a terminal the loops print plain lines (no carriage returns); the RESULT caveat
+    appears exactly when other programs used at least 10% of the CPU."""
+    import io
+    import time
+    h = _harness()
+    s = io.StringIO()
+    with h.Progress(12, "serial (2 threads) epoch 1/1", "lines", every=0.02, stream=s) as pb:
+        for k in range(12):
+            time.sleep(0.01)
+            pb.step(1.0 / (k + 1))
+    out = s.getvalue()
+    assert out and "\r" not in out
+    assert all(ln.startswith("  serial (2 threads) epoch 1/1: step ") for ln in out.splitlines())
+    assert h.progress_mode(True) == "off"
+    assert h.progress_mode(False, stream=io.StringIO()) == "lines"
+    assert h.plural(1, "rank") == "1 rank" and h.plural(2, "rank") == "2 ranks"
+
+    line, caveat = h.load_verdict(0.01, 0.02, 0.0, 0.3, 0.4)
+    assert caveat == "" and "2% during" in line
+    line, caveat = h.load_verdict(0.01, 0.45, 0.02, 0.3, 1.9)
+    assert "CAUTION: speedups unreliable" in caveat and "45%" in caveat and "~10x" in caveat
+    assert h.load_verdict(None, None, None, None, None)[1] == ""
+    share = h.OtherLoad().share()
+    assert share is None or 0.0 <= share <= 1.0

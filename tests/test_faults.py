@@ -45,7 +45,6 @@ import pytensor.tensor as T
 import synkhronos as synk
 import synk_testutil as tu
 import _fault_scripts as fs
-from synkhronos import shm
 
 fs.quiet()
 pytestmark = pytest.mark.filterwarnings("ignore:Numba will use object mode")
@@ -93,7 +92,6 @@ def build(action="raise", when="perform", n=N, distribute=True):
     each rank's shard of x to ``g`` and reads ``w``, ``u`` and ``v`` (so collectives know
     them)."""
     synk.fork(n)
-    rt = tu.runtime()
     x = T.vector("x", dtype="float64")
     w = pytensor.shared(np.zeros(8), name="w")
     u = pytensor.shared(np.zeros((2, 3)), name="u")
@@ -104,8 +102,8 @@ def build(action="raise", when="perform", n=N, distribute=True):
                        updates=[(g, T.concatenate([g, x]))])
     if distribute:
         synk.distribute()
-    return types.SimpleNamespace(rt=rt, prefix=rt.prefix, f=f, fg=fg, x=x, w=w, u=u, g=g, v=v, n=n,
-                                 pids={r: p.pid for r, p in rt.procs.items()})
+    return types.SimpleNamespace(prefix=tu.prefix(), f=f, fg=fg, x=x, w=w, u=u, g=g, v=v, n=n,
+                                 pids=tu.worker_pids())
 
 
 def assert_gone(prefix, pids=(), timeout=5.0):
@@ -134,10 +132,10 @@ def lowest_free_fd(pid):
 
 
 @contextmanager
-def choked(rt, rank):
+def choked(rank):
     """Worker ``rank`` cannot open any more file descriptors (so no new shared-memory
     segment) while inside the block."""
-    pid = rt.procs[rank].pid
+    pid = tu.pid_of(rank)
     old = resource.prlimit(pid, resource.RLIMIT_NOFILE)
     resource.prlimit(pid, resource.RLIMIT_NOFILE, (lowest_free_fd(pid), old[1]))
     try:
@@ -152,7 +150,7 @@ def choked(rt, rank):
 def starved(s, fn, rank=VICTIM):
     """``fn`` run while worker ``rank`` is out of file descriptors."""
     def run():
-        with choked(s.rt, rank):
+        with choked(rank):
             fn()
     return run
 
@@ -216,7 +214,7 @@ class TestWorkerRaises:
             assert f"rank {r}" in str(err) and "Traceback" in err.errors[r]
             if match:
                 assert match in err.errors[r], err.errors[r]
-        assert not S.rt.closed
+        assert tu.is_open()
         sane(S)
         return e
 
@@ -253,7 +251,7 @@ class TestWorkerRaises:
         """Someone removes a Data's segment from /dev/shm before the workers map it: every
         worker reports it; a reallocation (new segment) repairs the Data."""
         d = synk.data(np.ones(9))
-        shm.unlink_segment(d._seg.name)
+        os.unlink(tu.backing_file(d.data))
         self.check(S, "Data segment removed", lambda: S.f(d), ranks=(1, 2), fault="unlinked",
                    match="ExistentialError")
         d.set_value(np.ones(5))                     # fits the allocation: same (gone) segment
@@ -292,6 +290,8 @@ class TestWorkerRaises:
 
     def test_get_value(self, S):
         grow_g(S)
+        while synk.get_lengths(S.g)[VICTIM] * 8 < (1 << 18):   # beyond its reply mailbox so far
+            grow_g(S)
         self.starved_check(S, "get_value(rank 2)", lambda: synk.get_value(VICTIM, S.g))
 
     def test_all_gather(self, S):
@@ -345,7 +345,7 @@ class TestWorkerRaises:
             new = None
             run = (lambda: synk.all_reduce(S.v, op="sum")) if op == "all_reduce" \
                 else (lambda: synk.reduce(S.v, op="sum"))
-        with choked(S.rt, VICTIM):
+        with choked(VICTIM):
             with pytest.raises(synk.WorkerError) as ei:
                 run()
         assert ei.value.ranks == [VICTIM]
@@ -362,7 +362,7 @@ class TestWorkerRaises:
         """Last in the class: after all those faults, close() works and leaves nothing."""
         sane(S)
         synk.close()
-        assert S.rt.closed and tu.runtime() is None
+        assert synk.session_info() is None
         assert_gone(S.prefix, S.pids.values())
 
 
@@ -372,7 +372,7 @@ class TestWorkerRaises:
 def test_fork_worker_raises(tmp_path, monkeypatch):
     for k, v in fs.startup_fault_env(tmp_path, f"raise:{VICTIM}").items():
         monkeypatch.setenv(k, v)
-    first = len(tu.PREFIXES)
+    first = len(tu.prefixes())
     e, dt = raises_within(lambda: synk.fork(N))
     monkeypatch.undo()
     record("fork", "raise", e, dt)
@@ -383,23 +383,23 @@ def test_fork_worker_raises(tmp_path, monkeypatch):
         assert e.ranks == [VICTIM] and "floatX" in e.errors[VICTIM]
     else:
         assert e.rank == VICTIM and e.returncode == 1
-    assert tu.runtime() is None
+    assert synk.session_info() is None
     synk.close()
-    assert_gone(tu.PREFIXES[first])
+    assert_gone(tu.prefixes()[first])
 
 
 def test_fork_worker_raises_keeps_traceback(tmp_path, monkeypatch):
     # rank 1 starts late, so rank 2 has surely failed and exited while the master waits
     for k, v in fs.startup_fault_env(tmp_path, f"raise:{VICTIM},sleep:1:1.5").items():
         monkeypatch.setenv(k, v)
-    first = len(tu.PREFIXES)
+    first = len(tu.prefixes())
     try:
         with pytest.raises(synk.SynkError) as ei:
             synk.fork(N)
     finally:
         monkeypatch.undo()
         synk.close()
-        assert_gone(tu.PREFIXES[first])
+        assert_gone(tu.prefixes()[first])
     e = ei.value
     assert f"rank {VICTIM}" in str(e)
     assert isinstance(e, synk.WorkerError) and "floatX" in e.errors[VICTIM]
@@ -414,7 +414,7 @@ def test_distribute_worker_raises_at_unpickle():
         assert "synk-fault injected in rank 2 at unpickle" in e.errors[VICTIM]
         assert "during distribute" in str(e)
         # documented: the session stays open but undistributed; calls say so
-        assert not s.rt.closed and not s.rt.distributed
+        assert tu.is_open() and not tu.info().distributed
         with pytest.raises(RuntimeError, match="distribute"):
             s.f(np.ones(3))
         synk.close()
@@ -428,7 +428,7 @@ def test_worker_that_cannot_read_a_command_reports_it():
     larger mailbox segment): a WorkerError naming it, and distribute() can be retried."""
     try:
         s = build("raise", distribute=False)
-        with choked(s.rt, VICTIM):
+        with choked(VICTIM):
             e, dt = raises_within(synk.distribute)
         assert f"rank {VICTIM}" in str(e)
         assert isinstance(e, synk.WorkerError), repr(e)
@@ -444,14 +444,14 @@ def test_worker_that_cannot_read_a_command_reports_it():
 def test_fork_worker_killed(tmp_path, monkeypatch):
     for k, v in fs.startup_fault_env(tmp_path, f"kill:{VICTIM}").items():
         monkeypatch.setenv(k, v)
-    first = len(tu.PREFIXES)
+    first = len(tu.prefixes())
     e, dt = raises_within(lambda: synk.fork(N))
     monkeypatch.undo()
     record("fork", "SIGKILL", e, dt)
     assert_died(e, VICTIM, "start-up")
-    assert tu.runtime() is None
+    assert synk.session_info() is None
     synk.close()
-    assert_gone(tu.PREFIXES[first])
+    assert_gone(tu.prefixes()[first])
 
 
 def test_distribute_worker_killed_at_unpickle():
@@ -460,7 +460,7 @@ def test_distribute_worker_killed_at_unpickle():
         e, dt = raises_within(synk.distribute)
         record("distribute", "SIGKILL", e, dt)
         assert_died(e, VICTIM, "distribute")
-        assert s.rt.closed and tu.runtime() is None
+        assert synk.session_info() is None
         synk.close()
         assert_gone(s.prefix, s.pids.values())
     finally:
@@ -474,8 +474,7 @@ def test_data_worker_killed():
         s = build("kill")
         d = synk.data(np.ones(9))
         assert s.f(d) == 9.0
-        s.rt.procs[VICTIM].kill()
-        s.rt.procs[VICTIM].wait()
+        tu.kill_rank(VICTIM)
         t0 = time.monotonic()
         d2 = synk.data(np.ones(12))                 # a new Data
         d.set_value(np.ones(5000))                  # a reallocation
@@ -500,7 +499,7 @@ def test_call_worker_killed(num_slices):
                                           num_slices=num_slices))
         record(f"call num_slices={num_slices}", "SIGKILL", e, dt)
         assert_died(e, VICTIM, "call")
-        assert s.rt.closed
+        assert synk.session_info() is None
         synk.close()
         assert_gone(s.prefix, s.pids.values())
     finally:
@@ -532,17 +531,17 @@ def test_collective_worker_killed_in_flight(name):
         s = build("kill")
         s.fg(np.arange(9.0))
         run(s)                                       # works, and is warm
-        victim = s.rt.procs[VICTIM]
-        victim.send_signal(signal.SIGSTOP)
+        victim = tu.pid_of(VICTIM)
+        os.kill(victim, signal.SIGSTOP)
         t_kill = []
-        killer = threading.Timer(0.3, lambda: (t_kill.append(time.monotonic()), victim.kill()))
+        killer = threading.Timer(0.3, lambda: (t_kill.append(time.monotonic()), os.kill(victim, signal.SIGKILL)))
         killer.start()
         e, dt = raises_within(lambda: run(s))
         detect = time.monotonic() - t_kill[0]
         record(name, "SIGKILL in flight", e, detect)
         assert_died(e, VICTIM)
         assert dt >= 0.25                            # it was waiting for the stopped rank
-        assert s.rt.closed and tu.runtime() is None
+        assert synk.session_info() is None
         synk.close()
         assert_gone(s.prefix, s.pids.values())
     finally:
@@ -612,7 +611,7 @@ def test_master_killed_while_busy(what):
         TIMES.append((f"master busy in {what}", "SIGKILL master", "workers exit + segments gone",
                       "-", max(t_gone, t_clean)))
     finally:
-        shm.remove_all(info["prefix"])
+        tu.remove_all(info["prefix"])
 
 
 _HANG = "BUG: runtime.py Runtime._collect: "  # shared prefix of the two hang reasons

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import synkhronos as synk
 import _fault_scripts as fs
-from synkhronos.scatter import split
+from synkhronos.shards import split
 
 STATS = {"examples": 0, "graphs": 0, "calls": 0, "compared": 0, "collectives": 0,
          "by_n": {1: 0, 2: 0, 3: 0}}

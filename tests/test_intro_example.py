@@ -61,5 +61,5 @@ def test_introductory_example(capsys, assert_clean):
         assert "...distribution complete" in out
     finally:
         synk.close()
-    assert tu.runtime() is None
+    assert synk.session_info() is None
     assert_clean()

@@ -41,7 +41,7 @@ import pytensor.tensor as T
 
 import synkhronos as synk
 import synk_testutil as tu
-from synkhronos import shm, transport
+from synkhronos.backends import shm, shm_control   # this module tests the shm backend itself
 
 PREFIX_RE = re.compile(r"^/synk_[0-9a-f]{16}$")
 
@@ -64,9 +64,8 @@ def S():
         synk.all_reduce(w)
         synk.gather(w)
         synk.scatter(w, np.arange(30.0))
-        rt = tu.runtime()
-        yield types.SimpleNamespace(rt=rt, prefix=rt.prefix, f=f, w=w, d=d,
-                                    pids=[p.pid for p in rt.procs.values()],
+        yield types.SimpleNamespace(prefix=tu.prefix(), f=f, w=w, d=d,
+                                    pids=list(tu.worker_pids().values()),
                                     before_sockets=before_sockets)
     finally:
         synk.close()
@@ -116,7 +115,7 @@ class TestSession:
         names = entries(S.prefix)
         kinds = {re.sub(r"\d+", "#", n.split(S.prefix.lstrip("/"))[1]) for n in names}
         # every kind is there: control, semaphores, mailboxes, Data, slot table and slots
-        for k in ["_ctrl", "_go#", "_dn#", "_br#", "_m#_#", "_d#_#", "_slots", "_v#_#_#"]:
+        for k in ["_ctrl", "_w#", "_m#_#", "_d#", "_slots", "_v#k#r#g#"]:
             assert k in kinds, (k, sorted(kinds))
         for n in names:
             st = os.stat(os.path.join(shm.SHM_DIR, n))
@@ -224,27 +223,26 @@ def test_workers_never_read_a_squatted_mailbox(tmp_path, assert_clean):
     marker = tmp_path / "UNPICKLED"
     try:
         synk.fork(2)
-        rt = tu.runtime()
+        prefix = tu.prefix()
         x = T.vector("x", dtype="float64")
         w = pytensor.shared(np.zeros(100_000), name="w")       # payload > the first mailbox
         f = synk.function([x], [(T.sum(x), "sum"), (T.sum(w), None)])
-        gen = int(rt.transport.ctrl[transport._GEN_BASE + rt.rank]) + 1
-        name = f"{rt.prefix}_m{rt.rank}_{gen}"
-        header = pickle.dumps(("distribute", (_Evil(str(marker)),), []), protocol=5)
+        name = f"{prefix}_m0_1"                   # the master's first mailbox (no command yet)
+        header = pickle.dumps(("distribute", (_Evil(str(marker)), 1), [], None), protocol=5)
         seg = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o666, size=1 << 22)
         try:
             import mmap
             mm = mmap.mmap(seg.fd, seg.size)
-            transport._HDR.pack_into(mm, 0, len(header), 0)
-            mm[transport._HDR.size:transport._HDR.size + len(header)] = header
+            shm_control._HDR.pack_into(mm, 0, 1, len(header), 0)
+            mm[shm_control._HDR.size:shm_control._HDR.size + len(header)] = header
             mm.close()
         finally:
             seg.close_fd()
-        seq = rt.transport.seq
+        seq = tu.commands_sent()
         with pytest.raises(posix_ipc.ExistentialError):
             synk.distribute()
-        assert rt.transport.seq == seq, "a command was sent"
-        assert not rt.closed and all(p.poll() is None for p in rt.procs.values())
+        assert tu.commands_sent() == seq, "a command was sent"
+        assert tu.is_open() and all(tu.pid_running(p) for p in tu.worker_pids().values())
         posix_ipc.unlink_shared_memory(name)                    # the squatter goes away
         synk.distribute()
         assert f(np.arange(5.0))[0] == 10.0
@@ -317,24 +315,24 @@ def test_reaper_leaves_live_sessions_alone(assert_clean):
     fake = None
     try:
         synk.fork(2)
-        rt = tu.runtime()
+        prefix = tu.prefix()
         x = T.vector("x", dtype="float64")
         f = synk.function([x], (T.sum(x), "sum"))
         synk.distribute()
         assert f(np.arange(4.0)) == 6.0
-        live = entries(rt.prefix)
+        live = entries(prefix)
         # a short 'session' name that is a prefix of ours only (never of anybody else's)
-        fake = "/" + rt.prefix.lstrip("/")[:13] + "_ctrl"
+        fake = "/" + prefix.lstrip("/")[:13] + "_ctrl"
         seg = posix_ipc.SharedMemory(fake, posix_ipc.O_CREX, mode=0o644, size=4096)
         try:
             import mmap
             mm = mmap.mmap(seg.fd, seg.size)
-            np.ndarray((8,), np.int64, mm)[transport.MASTER_PID] = _dead_pid()
+            np.ndarray((8,), np.int64, mm)[shm_control.MASTER_PID] = _dead_pid()
             mm.close()
         finally:
             seg.close_fd()
-        transport.reap_stale_sessions()        # what the next synk.fork() anywhere runs
-        assert entries(rt.prefix) == live, "a live session's segments were removed"
+        shm_control.reap_stale_sessions()      # what the next synk.fork() anywhere runs
+        assert entries(prefix) == live, "a live session's segments were removed"
         assert f(np.arange(4.0)) == 6.0
     finally:
         if fake is not None:

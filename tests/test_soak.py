@@ -23,7 +23,7 @@ import pytensor.tensor as T
 import synkhronos as synk
 import synk_testutil as tu
 import _fault_scripts as fs
-from synkhronos.scatter import split
+from synkhronos.shards import split
 
 N = 3
 D = 4
@@ -48,8 +48,7 @@ def S():
         f2 = synk.function([x], (T.sum(x), "sum"),
                            updates=[(w, w * 0.5 + T.mean(x, axis=0), "avg")])
         synk.distribute()
-        rt = tu.runtime()
-        s = types.SimpleNamespace(rt=rt, prefix=rt.prefix, f1=f1, f2=f2, w=w, u=u,
+        s = types.SimpleNamespace(prefix=tu.prefix(), f1=f1, f2=f2, w=w, u=u,
                                   pool=[synk.data(np.zeros((1, D))) for _ in range(4)],
                                   mw=[np.zeros(D) for _ in range(N)],
                                   mu=[np.zeros(3) for _ in range(N)], counts={})
@@ -74,7 +73,7 @@ def n_fds(pid):
 
 def sample(S):
     gc.collect()
-    pids = {0: os.getpid(), **{r: p.pid for r, p in S.rt.procs.items()}}
+    pids = {0: os.getpid(), **tu.worker_pids()}
     names = tu.shm_entries(S.prefix)
     size = sum(os.stat(os.path.join("/dev/shm", n)).st_size for n in names)
     return dict(rss={r: rss_mb(p) for r, p in pids.items()}, fds={r: n_fds(p) for r, p in pids.items()},
@@ -116,7 +115,7 @@ def step(S, rng, op, max_rows=MAX_ROWS, max_u=MAX_U):
             close(res[2], X.sum(axis=1), "f1 gather")
             b = split(rows, n)        # mode None: the master's result, or the first rank's
             src = next(r for r in range(n) if b[r + 1] > b[r])     # that has rows
-            src = S.rt.rank if b[S.rt.rank + 1] > b[S.rt.rank] else src
+            src = 0 if b[1] > b[0] else src                      # the master is rank 0
             close(res[3], S.mu[src].sum(), f"f1 sum(u) of rank {src}")
         else:
             res = S.f2(x_input(S, rng, X), num_slices=ns)

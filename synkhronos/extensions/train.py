@@ -10,31 +10,106 @@ is averaged), ``synk.all_reduce(grad_shared, op="avg")``, then the parameter-upd
 function on every rank.  ``serial`` calls the same two compiled functions in the master
 through ``Function.as_theano`` (no workers, no all-reduce): the single-process equivalent,
 which costs no extra compilation.
+
+The original Synkhronos' forms work too: ``make_train_function(loss, params, x, y,
+update_rule, *args, **kwargs)`` (two input variables instead of the list; also as
+``x=``, ``y=``, ``update_rule=`` keywords), and ``make_train_function_theano`` with the
+same arguments builds the plain single-process PyTensor step (no synkhronos session).
 """
 import numpy as np
+from pytensor.graph.basic import Variable
 
 import synkhronos as synk
-from synkhronos.runtime import get_runtime
 
-__all__ = ["make_train_function", "TrainFunction"]
+__all__ = ["make_train_function", "make_train_function_theano", "TrainFunction",
+           "SerialTrainFunction"]
+
+_USAGE = ("{fn}(loss, params, inputs, update_rule, *args, **kwargs), with inputs the list of "
+          "input variables, e.g. {fn}(loss, params, [x, y], updates.sgd, learning_rate=0.1); "
+          "the original form {fn}(loss, params, x, y, update_rule, *args, **kwargs) is accepted too")
+
+
+def _parse_form(fn, inputs, args, update_rule, x, y):
+    """Both call forms -> ``(input variables, update_rule, remaining positional args)``.
+
+    New form: ``inputs`` is a list/tuple of variables (or one variable), followed by
+    ``update_rule``.  Original form: two input variables ``x, y`` in place of the list.  The
+    two cannot be confused: in the new form the argument after ``inputs`` is the update
+    rule, a function, never a variable."""
+    usage = _USAGE.format(fn=fn)
+    pos = ([] if inputs is None else [inputs]) + list(args)
+    old = x is not None or y is not None
+    if not old and len(pos) >= 2 and isinstance(pos[0], Variable) and isinstance(pos[1], Variable):
+        x, y, pos, old = pos[0], pos[1], pos[2:], True          # (loss, params, x, y, rule, ...)
+    elif old and x is None and pos and isinstance(pos[0], Variable):
+        x = pos.pop(0)                                           # (loss, params, x, y=y, ...)
+    if old:
+        if not (isinstance(x, Variable) and isinstance(y, Variable)):
+            raise TypeError(f"{fn}: the original form takes two input variables x and y, got "
+                            f"x={x!r}, y={y!r}. Call {usage}")
+        in_vars = [x, y]
+    else:
+        if not pos:
+            raise TypeError(f"{fn}() missing the input variables. Call {usage}")
+        first = pos.pop(0)
+        if isinstance(first, Variable):
+            in_vars = [first]
+        elif isinstance(first, (list, tuple)) and all(isinstance(v, Variable) for v in first):
+            in_vars = list(first)
+        else:
+            raise TypeError(f"{fn}: inputs must be a list of input variables, got {first!r}. Call {usage}")
+    if update_rule is None:
+        if not pos:
+            raise TypeError(f"{fn}() missing the update rule. Call {usage}")
+        update_rule = pos.pop(0)
+    if isinstance(update_rule, Variable) or not callable(update_rule):
+        raise TypeError(f"{fn}: update_rule must be a rule of synkhronos.extensions.updates "
+                        f"(a function), got {update_rule!r}. Call {usage}")
+    return in_vars, update_rule, pos
+
+
+def _as_var_list(v):
+    return list(v) if isinstance(v, (list, tuple)) else [v]
+
+
+def _legacy_data_names(fn, inputs, data, named):
+    """The original step was ``train_minibatch(x_data, y_data, batch=None)``: accept those
+    two keywords for a step with two inputs (unless an input has such a name)."""
+    if not ({"x_data", "y_data"} & set(named)) or len(inputs) != 2 \
+            or any(v.name in ("x_data", "y_data") for v in inputs):
+        return data, named
+    if len(data) > 2:
+        raise TypeError(f"{fn} takes 2 data inputs, got {len(data)} positional")
+    named = dict(named)
+    vals = list(data) + [None] * (2 - len(data))
+    for i, key in enumerate(("x_data", "y_data")):
+        if key in named:
+            if vals[i] is not None:
+                raise TypeError(f"{fn} got {key} twice")
+            vals[i] = named.pop(key)
+    if any(v is None for v in vals):
+        raise TypeError(f"{fn} is missing {'x_data' if vals[0] is None else 'y_data'}")
+    return vals, named
 
 
 class TrainFunction:
     """The callable returned by ``make_train_function``.
 
     Attributes: ``grad_function`` and ``update_function`` (the two ``synk.Function``),
-    ``grad_shared`` (the flat gradient vector), ``params``, ``grad_updates``,
-    ``param_updates``, ``state_vars`` (every shared variable a step writes: the flat
-    gradient, the parameters and the rule's state)."""
+    ``grad_shared`` (the flat gradient vector, or the list of per-parameter gradients of
+    ``updates.sgd_nonflat``), ``params``, ``inputs`` (the input variables, scattered then
+    broadcast), ``grad_updates``, ``param_updates``, ``state_vars`` (every shared variable
+    a step writes: the gradient(s), the parameters and the rule's state)."""
 
     def __init__(self, grad_function, update_function, grad_shared, params, grad_updates,
-                 param_updates):
+                 param_updates, inputs=()):
         self.grad_function, self.update_function = grad_function, update_function
         self.grad_shared = grad_shared
-        self.params = list(params) if isinstance(params, (list, tuple)) else [params]
+        self.params = _as_var_list(params)
+        self.inputs = list(inputs)
         self.grad_updates, self.param_updates = grad_updates, param_updates
         seen, state = set(), []
-        for v in [grad_shared] + [v for v, _ in param_updates]:
+        for v in _as_var_list(grad_shared) + [v for v, _ in param_updates]:
             if id(v) not in seen:
                 seen.add(id(v))
                 state.append(v)
@@ -43,7 +118,9 @@ class TrainFunction:
     def __call__(self, *data, batch=None, num_slices=1, **call_kwargs):
         """One data-parallel step on ``data`` (``synk.Data`` or arrays, as for the gradient
         function; ``batch``/``batch_s``/``num_slices`` select rows).  Returns the loss,
-        averaged over the whole batch."""
+        averaged over the whole batch.  The original's keywords ``x_data``/``y_data`` work
+        for a step with two inputs."""
+        data, call_kwargs = _legacy_data_names("the training step", self.inputs, data, call_kwargs)
         loss = self.grad_function(*data, batch=batch, num_slices=num_slices, **call_kwargs)
         synk.all_reduce(self.grad_shared, op="avg")
         self.update_function()
@@ -52,6 +129,7 @@ class TrainFunction:
     def serial(self, *arrays, **named):
         """The same step as plain PyTensor in the master only, on the full ``arrays``
         (numpy arrays of the inputs' exact dtypes).  Updates the master's variables only."""
+        arrays, named = _legacy_data_names("serial", self.inputs, arrays, named)
         loss = self.grad_function.as_theano(*arrays, **named)
         self.update_function.as_theano()
         return loss
@@ -61,29 +139,79 @@ class TrainFunction:
         return [np.array(v.get_value(borrow=True), copy=True) for v in self.state_vars]
 
     def restore(self, values):
-        """Set ``state_vars`` to ``values`` (from ``snapshot``): on every rank once the
-        functions are distributed (``synk.broadcast``), else in the master."""
+        """Set ``state_vars`` to ``values`` (from ``snapshot``): in the master, and on every
+        rank (``synk.broadcast``) once the functions are distributed."""
         if len(values) != len(self.state_vars):
             raise ValueError(f"restore needs {len(self.state_vars)} values, got {len(values)}")
-        if get_runtime().distributed:
-            synk.broadcast(self.state_vars, list(values))
-        else:
-            for v, val in zip(self.state_vars, values):
-                v.set_value(np.array(val, copy=True))
+        for v, val in zip(self.state_vars, values):
+            v.set_value(np.array(val, copy=True))
+        try:
+            synk.broadcast(self.state_vars)
+        except synk.SynkError:
+            raise
+        except RuntimeError:
+            # not distributed yet (distribute() sends the master's values) or the session
+            # is closed: the master's values are all there is to set
+            pass
 
 
-def make_train_function(loss, params, inputs, update_rule, *args, bcast_inputs=None, givens=None,
-                        sliceable_shareds=None, name="train", **kwargs):
+def make_train_function(loss, params, inputs=None, *args, update_rule=None, x=None, y=None,
+                        bcast_inputs=None, givens=None, sliceable_shareds=None, name="train",
+                        **kwargs):
     """Build the two synkhronos functions of a data-parallel training step.
 
+    ``make_train_function(loss, params, inputs, update_rule, *args, **kwargs)``:
     ``update_rule(loss, params, *args, **kwargs)`` is a rule of
     ``synkhronos.extensions.updates`` (e.g. ``updates.adam``, ``learning_rate=1e-3``).
-    ``inputs``/``bcast_inputs``/``givens``/``sliceable_shareds`` are those of the gradient
-    function (``synk.function``).  Call after ``synk.fork()`` and before
-    ``synk.distribute()``.  Returns a ``TrainFunction``:
+    ``inputs`` (a list of variables) and ``bcast_inputs``/``givens``/``sliceable_shareds``
+    are those of the gradient function (``synk.function``).  The original Synkhronos' form
+    ``make_train_function(loss, params, x, y, update_rule, *args, **kwargs)`` (also with
+    ``x=``, ``y=``, ``update_rule=`` keywords) means ``inputs=[x, y]``.  Call after
+    ``synk.fork()`` and before ``synk.distribute()``.  Returns a ``TrainFunction``:
     ``step(*data, batch=None, num_slices=1, **call_kwargs) -> loss``."""
+    inputs, update_rule, args = _parse_form("make_train_function", inputs, args, update_rule, x, y)
     grad_updates, param_updates, grad_shared = update_rule(loss, params, *args, **kwargs)
     f_grad = synk.function(inputs, outputs=loss, bcast_inputs=bcast_inputs, updates=grad_updates,
                            givens=givens, sliceable_shareds=sliceable_shareds, name=f"{name}_grad")
     f_update = synk.function([], updates=param_updates, name=f"{name}_update")
-    return TrainFunction(f_grad, f_update, grad_shared, params, grad_updates, param_updates)
+    return TrainFunction(f_grad, f_update, grad_shared, params, grad_updates, param_updates,
+                         inputs + _as_var_list(bcast_inputs or []))
+
+
+class SerialTrainFunction:
+    """The callable returned by ``make_train_function_theano``: one training step as plain
+    PyTensor in this process (no synkhronos session, no all-reduce).
+
+    Attributes: ``grad_function`` and ``update_function`` (``pytensor`` functions),
+    ``grad_shared``, ``params``, ``inputs``, ``grad_updates``, ``param_updates``."""
+
+    def __init__(self, grad_function, update_function, grad_shared, params, grad_updates,
+                 param_updates, inputs):
+        self.grad_function, self.update_function = grad_function, update_function
+        self.grad_shared, self.params, self.inputs = grad_shared, _as_var_list(params), list(inputs)
+        self.grad_updates, self.param_updates = grad_updates, param_updates
+
+    def __call__(self, *arrays, **named):
+        """One step on ``arrays`` (one per input, converted as PyTensor converts inputs).
+        Returns the loss.  The original's keywords ``x_data``/``y_data`` work for two inputs."""
+        arrays, named = _legacy_data_names("the training step", self.inputs, arrays, named)
+        loss = self.grad_function(*arrays, **named)
+        self.update_function()
+        return loss
+
+
+def make_train_function_theano(loss, params, inputs=None, *args, update_rule=None, x=None,
+                               y=None, bcast_inputs=None, givens=None, name="train", **kwargs):
+    """The single-process equivalent of ``make_train_function`` (same arguments, both
+    forms), compiled with plain ``pytensor.function``: no ``synk.fork()`` needed, no
+    all-reduce.  Returns a ``SerialTrainFunction``: ``step(*arrays) -> loss``.  (Within a
+    synkhronos session, ``TrainFunction.serial`` gives the same without compiling again.)"""
+    import pytensor
+    inputs, update_rule, args = _parse_form("make_train_function_theano", inputs, args,
+                                            update_rule, x, y)
+    inputs = inputs + _as_var_list(bcast_inputs or [])
+    grad_updates, param_updates, grad_shared = update_rule(loss, params, *args, **kwargs)
+    f_grad = pytensor.function(inputs, loss, updates=grad_updates, givens=givens, name=f"{name}_grad")
+    f_update = pytensor.function([], [], updates=param_updates, name=f"{name}_update")
+    return SerialTrainFunction(f_grad, f_update, grad_shared, params, grad_updates, param_updates,
+                               inputs)

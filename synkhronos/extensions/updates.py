@@ -18,7 +18,18 @@ numbers or symbolic scalars (e.g. a shared learning rate: remember to ``synk.bro
 after changing it in the master).  Every rank keeps its own copy of the rule's state
 (velocities, moments, time step); all ranks apply identical updates, so the copies agree.
 ``synkhronos.extensions.train.make_train_function`` wires the three steps together.
+
+``nonflat_grads`` and ``sgd_nonflat`` (from the original Synkhronos) keep one gradient
+shared variable per parameter instead of the flat vector: the all-reduce then takes the
+list, one collective per parameter (slower for many parameters; kept for comparison).
+
+Keyword names of the original Synkhronos and of Lasagne are both accepted where they
+differ: ``loss`` / ``loss_or_grads`` (every rule, ``flat_unflat_grads``,
+``nonflat_grads``), ``variables`` / ``like`` (``unflatten_vars``), ``updates`` /
+``param_updates`` (``apply_momentum``, ``apply_nesterov_momentum``).
 """
+import functools
+import inspect
 from collections import OrderedDict
 
 import numpy as np
@@ -29,12 +40,47 @@ from pytensor.graph.basic import Variable
 from pytensor.scalar import upcast
 
 __all__ = ["sgd", "momentum", "nesterov_momentum", "apply_momentum", "apply_nesterov_momentum",
-           "adagrad", "rmsprop", "adadelta", "adam", "adamax",
-           "flatten_vars", "unflatten_vars", "vars_flat_size", "flat_unflat_grads"]
+           "adagrad", "rmsprop", "adadelta", "adam", "adamax", "sgd_nonflat",
+           "flatten_vars", "unflatten_vars", "vars_flat_size", "flat_unflat_grads",
+           "nonflat_grads"]
 
 
 # ------------------------------------------------------------------------------------------
 # Helpers
+
+
+def _keyword_aliases(**aliases):
+    """Accept ``alias=value`` as another spelling of the keyword ``name`` (``alias="name"``).
+
+    Giving both spellings, or the alias together with the argument in its position, is a
+    TypeError, as Python reports for any argument given twice.  The aliases are listed in
+    the wrapper's ``keyword_aliases`` (alias -> name)."""
+    def deco(fn):
+        positions = {n: i for i, n in enumerate(inspect.signature(fn).parameters)}
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            for alias, name in aliases.items():
+                if alias in kwargs:
+                    if name in kwargs or len(args) > positions[name]:
+                        raise TypeError(f"{fn.__name__}() got {name!r} twice: {alias!r} is another "
+                                        f"name for {name!r}; give one of them")
+                    kwargs[name] = kwargs.pop(alias)
+            return fn(*args, **kwargs)
+        wrapper.keyword_aliases = dict(aliases)
+        return wrapper
+    return deco
+
+
+class _Default(float):
+    """A default value that can be told from the same number passed explicitly."""
+    __slots__ = ()
+
+    def __repr__(self):
+        return repr(float(self))
+
+
+_MOMENTUM = _Default(0.9)
 
 
 def _check_params(params):
@@ -95,10 +141,12 @@ def flatten_vars(variables, dtype=None):
     return flat[0] if len(flat) == 1 else pt.concatenate(flat)
 
 
-def unflatten_vars(flat_var, like):
-    """Slices of ``flat_var`` reshaped (and cast) like the current values of shared ``like``."""
+@_keyword_aliases(like="variables")
+def unflatten_vars(flat_var, variables):
+    """Slices of ``flat_var`` reshaped (and cast) like the current values of the shared
+    ``variables`` (also accepted as ``like=``).  Returns a list, one per variable."""
     out, start = [], 0
-    for v in like:
+    for v in variables:
         val = v.get_value(borrow=True)
         stop = start + val.size
         piece = flat_var[start:stop].reshape(val.shape, ndim=val.ndim)
@@ -116,16 +164,32 @@ def _grads(loss_or_grads, params):
     return pytensor.grad(loss_or_grads, params)
 
 
-def flat_unflat_grads(loss_or_grads, params):
+@_keyword_aliases(loss_or_grads="loss")
+def flat_unflat_grads(loss, params):
     """``(grad_shared, flat_grad, grads)``: the flat shared gradient vector (zeros, dtype of
-    the params), the symbolic concatenated gradient, and per-parameter gradients read from
-    ``grad_shared`` (what parameter updates use, after the all-reduce).  ``loss_or_grads``:
-    a scalar loss, or a list of gradient expressions (one per parameter)."""
+    the params, named ``flat_grad_s``), the symbolic concatenated gradient, and
+    per-parameter gradients read from ``grad_shared`` (what parameter updates use, after
+    the all-reduce).  ``loss`` (also accepted as ``loss_or_grads=``): a scalar loss, or a
+    list of gradient expressions (one per parameter)."""
     params = _check_params(params)
     dtype = upcast(*[p.dtype for p in params])
-    flat_grad = flatten_vars(_grads(loss_or_grads, params), dtype)
+    flat_grad = flatten_vars(_grads(loss, params), dtype)
     grad_shared = pytensor.shared(np.zeros(vars_flat_size(params), dtype=dtype), name="flat_grad_s")
     return grad_shared, flat_grad, unflatten_vars(grad_shared, params)
+
+
+@_keyword_aliases(loss_or_grads="loss")
+def nonflat_grads(loss, params):
+    """``(grads_shared, grads)``: one gradient shared variable per parameter (zeros, shaped
+    and typed like it, named ``<param>_grad``) and the symbolic gradients, in the order of
+    ``params``.  The gradient function's updates are ``list(zip(grads_shared, grads))``;
+    ``synk.all_reduce(grads_shared)`` then makes one collective per parameter (the flat
+    vector of ``flat_unflat_grads`` needs only one).  ``loss`` (also ``loss_or_grads=``):
+    a scalar loss, or a list of gradient expressions."""
+    params = _check_params(params)
+    grads = [_cast_like(g, p) for g, p in zip(_grads(loss, params), params)]
+    grads_shared = [_state_like(p, "grad") for p in params]
+    return grads_shared, grads
 
 
 def _prepare(loss, params):
@@ -138,12 +202,18 @@ def _prepare(loss, params):
 # Momentum (apply to any list of parameter updates)
 
 
-def _momentum_params(updates, params, momentum):
+def _momentum_params(fname, updates, params, momentum):
     # Lasagne's signature is (updates, params=None, momentum=0.9); the original synkhronos
-    # took (param_updates, momentum=0.9): a number in second place is the momentum.
-    if params is not None and not isinstance(params, (list, tuple)) and not isinstance(params, SharedVariable):
-        params, momentum = None, params
+    # took (param_updates, momentum=0.9): a scalar in second place is the momentum (a
+    # number, a symbolic scalar, or a 0-d shared variable that is not updated itself).
     pairs = _as_pairs(updates)
+    if params is not None and not isinstance(params, (list, tuple)):
+        targets = {id(p) for p, _ in pairs}
+        if not isinstance(params, SharedVariable) or (params.ndim == 0 and id(params) not in targets):
+            if momentum is not _MOMENTUM:
+                raise TypeError(f"{fname}() got the momentum twice: {params!r} in second place "
+                                "(the original synkhronos' position) and momentum=")
+            params, momentum = None, params
     if params is None:
         params = [p for p, _ in pairs]
     elif isinstance(params, SharedVariable):
@@ -151,17 +221,20 @@ def _momentum_params(updates, params, momentum):
     return pairs, list(params), momentum
 
 
-def apply_momentum(updates, params=None, momentum=0.9):
-    """Add classical momentum to parameter ``updates`` (list of pairs or dict): for each
-    param, ``x = momentum * velocity + updates[param]``, ``velocity <- x - param``,
-    ``param <- x``.  ``params`` (default: all updated variables) selects which.  Returns a
-    new list of pairs."""
-    pairs, params, momentum = _momentum_params(updates, params, momentum)
+@_keyword_aliases(param_updates="updates")
+def apply_momentum(updates, params=None, momentum=_MOMENTUM):
+    """Add classical momentum to parameter ``updates`` (list of pairs or dict; also
+    accepted as ``param_updates=``): for each param, ``x = momentum * velocity +
+    updates[param]``, ``velocity <- x - param``, ``param <- x``.  ``params`` (default: all
+    updated variables) selects which.  The original synkhronos' form
+    ``apply_momentum(param_updates, momentum)`` works too: a scalar in second place is the
+    momentum.  Returns a new list of pairs."""
+    pairs, params, momentum = _momentum_params("apply_momentum", updates, params, momentum)
     new = OrderedDict(pairs)
     for p in params:
         if p not in new:
             raise ValueError(f"parameter {p} has no update to apply momentum to")
-        m = _const(momentum, p.dtype)
+        m = _const(float(momentum) if type(momentum) is _Default else momentum, p.dtype)
         velocity = _state_like(p, "velocity")
         x = _cast_like(m * velocity + new[p], p)
         new[velocity] = _cast_like(x - p, p)
@@ -169,16 +242,18 @@ def apply_momentum(updates, params=None, momentum=0.9):
     return list(new.items())
 
 
-def apply_nesterov_momentum(updates, params=None, momentum=0.9):
-    """Add Nesterov momentum to parameter ``updates``: for each param,
-    ``x = momentum * velocity + updates[param] - param``, ``velocity <- x``,
-    ``param <- momentum * x + updates[param]``.  Returns a new list of pairs."""
-    pairs, params, momentum = _momentum_params(updates, params, momentum)
+@_keyword_aliases(param_updates="updates")
+def apply_nesterov_momentum(updates, params=None, momentum=_MOMENTUM):
+    """Add Nesterov momentum to parameter ``updates`` (also ``param_updates=``): for each
+    param, ``x = momentum * velocity + updates[param] - param``, ``velocity <- x``,
+    ``param <- momentum * x + updates[param]``.  Arguments as for ``apply_momentum``.
+    Returns a new list of pairs."""
+    pairs, params, momentum = _momentum_params("apply_nesterov_momentum", updates, params, momentum)
     new = OrderedDict(pairs)
     for p in params:
         if p not in new:
             raise ValueError(f"parameter {p} has no update to apply momentum to")
-        m = _const(momentum, p.dtype)
+        m = _const(float(momentum) if type(momentum) is _Default else momentum, p.dtype)
         velocity = _state_like(p, "velocity")
         x = _cast_like(m * velocity + new[p] - p, p)
         new[velocity] = x
@@ -190,6 +265,7 @@ def apply_nesterov_momentum(updates, params=None, momentum=0.9):
 # Rules: each returns (grad_updates, param_updates, grad_shared)
 
 
+@_keyword_aliases(loss_or_grads="loss")
 def sgd(loss, params, learning_rate):
     """Stochastic gradient descent: ``param <- param - learning_rate * grad``."""
     params, grads, grad_updates, grad_shared = _prepare(loss, params)
@@ -200,18 +276,21 @@ def sgd(loss, params, learning_rate):
     return grad_updates, param_updates, grad_shared
 
 
+@_keyword_aliases(loss_or_grads="loss")
 def momentum(loss, params, learning_rate, momentum=0.9):
     """SGD with classical momentum (``sgd`` then ``apply_momentum``)."""
     grad_updates, param_updates, grad_shared = sgd(loss, params, learning_rate)
     return grad_updates, apply_momentum(param_updates, momentum=momentum), grad_shared
 
 
+@_keyword_aliases(loss_or_grads="loss")
 def nesterov_momentum(loss, params, learning_rate, momentum=0.9):
     """SGD with Nesterov momentum (``sgd`` then ``apply_nesterov_momentum``)."""
     grad_updates, param_updates, grad_shared = sgd(loss, params, learning_rate)
     return grad_updates, apply_nesterov_momentum(param_updates, momentum=momentum), grad_shared
 
 
+@_keyword_aliases(loss_or_grads="loss")
 def adagrad(loss, params, learning_rate=1.0, epsilon=1e-6):
     """Adagrad: ``accu <- accu + grad**2``, ``param <- param - lr * grad / sqrt(accu + eps)``."""
     params, grads, grad_updates, grad_shared = _prepare(loss, params)
@@ -225,6 +304,7 @@ def adagrad(loss, params, learning_rate=1.0, epsilon=1e-6):
     return grad_updates, param_updates, grad_shared
 
 
+@_keyword_aliases(loss_or_grads="loss")
 def rmsprop(loss, params, learning_rate=1.0, rho=0.9, epsilon=1e-6):
     """RMSProp: ``accu <- rho * accu + (1 - rho) * grad**2``,
     ``param <- param - lr * grad / sqrt(accu + eps)``."""
@@ -240,6 +320,7 @@ def rmsprop(loss, params, learning_rate=1.0, rho=0.9, epsilon=1e-6):
     return grad_updates, param_updates, grad_shared
 
 
+@_keyword_aliases(loss_or_grads="loss")
 def adadelta(loss, params, learning_rate=1.0, rho=0.95, epsilon=1e-6):
     """Adadelta: ``accu <- rho * accu + (1 - rho) * grad**2``,
     ``step = grad * sqrt(delta_accu + eps) / sqrt(accu + eps)``, ``param <- param - lr * step``,
@@ -265,6 +346,7 @@ def _time_step(dtype):
     return t_prev, t_prev + _const(1, dtype)
 
 
+@_keyword_aliases(loss_or_grads="loss")
 def adam(loss, params, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8):
     """Adam: ``m <- b1 m + (1 - b1) g``, ``v <- b2 v + (1 - b2) g**2``,
     ``param <- param - lr sqrt(1 - b2**t) / (1 - b1**t) * m / (sqrt(v) + eps)``."""
@@ -286,6 +368,7 @@ def adam(loss, params, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8
     return grad_updates, param_updates, grad_shared
 
 
+@_keyword_aliases(loss_or_grads="loss")
 def adamax(loss, params, learning_rate=0.002, beta1=0.9, beta2=0.999, epsilon=1e-8):
     """Adamax: ``m <- b1 m + (1 - b1) g``, ``u <- max(b2 u, |g|)``,
     ``param <- param - lr / (1 - b1**t) * m / (u + eps)``."""
@@ -305,3 +388,16 @@ def adamax(loss, params, learning_rate=0.002, beta1=0.9, beta2=0.999, epsilon=1e
         param_updates.append((p, _cast_like(p - a_t * m_t / (u_t + eps), p)))
     param_updates.append((t_prev, t))
     return grad_updates, param_updates, grad_shared
+
+
+@_keyword_aliases(loss_or_grads="loss")
+def sgd_nonflat(loss, params, learning_rate):
+    """SGD with one gradient shared variable per parameter (``nonflat_grads``) instead of
+    the flat vector: ``grad_shared`` is a list, all-reduced as a list (one collective per
+    parameter).  The original kept it to measure what flattening gains."""
+    params = _check_params(params)
+    grads_shared, grads = nonflat_grads(loss, params)
+    grad_updates = list(zip(grads_shared, grads))
+    param_updates = [(p, _cast_like(p - _const(learning_rate, p.dtype) * g, p))
+                     for p, g in zip(params, grads_shared)]
+    return grad_updates, param_updates, grads_shared

@@ -14,13 +14,14 @@ def split(total, n, start=0):
 _INT64_MAX = np.iinfo(np.int64).max
 
 
-def _is_int(x):
+def is_int(x):
+    """An integer that is not a bool."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def index_array(sel, what):
     """A 1-D int64 array from a list/tuple/array of integers, or TypeError/ValueError."""
-    if isinstance(sel, (list, tuple)) and all(_is_int(i) for i in sel):
+    if isinstance(sel, (list, tuple)) and all(is_int(i) for i in sel):
         vals = [int(i) for i in sel]          # mixed numpy int types would promote to float
         if vals and max(vals) > _INT64_MAX:
             raise IndexError(f"{what} index {max(vals)} is out of range")
@@ -40,7 +41,7 @@ def index_array(sel, what):
 
 
 def check_slice(sel, what):
-    if not (_is_int(sel.start) and _is_int(sel.stop)):
+    if not (is_int(sel.start) and is_int(sel.stop)):
         raise TypeError(f"{what} slice needs integer start and stop, got {sel}")
     if sel.step is not None:
         raise ValueError(f"{what} slice may not have a step, got {sel}")
@@ -53,7 +54,7 @@ def normalize_batch(batch):
     """``batch`` -> ("range", start, stop) or ("index", int64 array) or None."""
     if batch is None:
         return None
-    if _is_int(batch):
+    if is_int(batch):
         if batch < 0:
             raise IndexError(f"batch as an int selects the first batch rows and must be >= 0, got {batch}")
         return ("range", 0, int(batch))
@@ -114,3 +115,23 @@ def pieces(length, num_slices):
         return []
     b = split(length, k)
     return [(b[i], b[i + 1]) for i in range(k)]
+
+
+def take_rows(arr, rows, rank, minibatch=False, index=None):
+    """Rank ``rank``'s rows of ``arr`` under ``rows`` (a ``plans.Rows``; ``index`` is its
+    index array, already read): a view for ranges, a gathered copy for index lists."""
+    a, b = rows.bounds[rank], rows.bounds[rank + 1]
+    if minibatch:
+        return arr[a - rows.base:b - rows.base] if rows.kind == "range" else arr[a:b]
+    if rows.kind == "index":
+        return np.take(arr, index[a:b], axis=0)
+    return arr[a:b]
+
+
+def select(arr, sel, index=None):
+    """The rows of ``arr`` a normalized ``batch`` selector picks (``index``: its array)."""
+    if sel is None:
+        return arr
+    if sel[0] == "range":
+        return arr[sel[1]:sel[2]]
+    return np.take(arr, sel[1] if index is None else index, axis=0)

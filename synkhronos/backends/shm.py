@@ -1,9 +1,12 @@
-"""Named POSIX shared memory, private to the user (mode 0600, unguessable names).
+"""Named POSIX shared memory and semaphores, private to the user (mode 0600, unguessable names).
 
-Every name made by one runtime starts with that runtime's random prefix, so that a closed
-or crashed run can remove all of its segments and semaphores by prefix."""
+Every name made by one session starts with that session's random prefix, so that a closed
+or crashed session can remove all of its segments and semaphores by prefix.  When the
+environment variable ``SYNK_PREFIX_LOG`` names a file, every new prefix is appended to it
+(test harnesses use this to check for leaks of their own sessions only)."""
 import mmap
 import os
+import re
 import secrets
 
 import numpy as np
@@ -11,11 +14,21 @@ import posix_ipc
 
 SHM_DIR = "/dev/shm"
 PAGE = mmap.PAGESIZE
+SESSION_NAME = re.compile(r"synk_[0-9a-f]{16}")
 
 
 def new_prefix():
-    """An unguessable name prefix for one runtime session."""
-    return "/synk_" + secrets.token_hex(8)
+    """An unguessable name prefix for one session (``/synk_`` and 16 hex digits)."""
+    prefix = "/synk_" + secrets.token_hex(8)
+    log = os.environ.get("SYNK_PREFIX_LOG")
+    if log:
+        try:
+            fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "a") as fh:
+                fh.write(prefix + "\n")
+        except OSError:
+            pass
+    return prefix
 
 
 class Segment:
@@ -42,6 +55,13 @@ class Segment:
     def array(self, dtype, shape, offset=0):
         """A numpy view of the segment (no copy)."""
         return np.ndarray(shape, dtype=dtype, buffer=self.mm, offset=offset)
+
+    def address(self):
+        return np.frombuffer(self.mm, np.uint8, count=1).ctypes.data
+
+    def overlaps(self, arr):
+        """Whether numpy array ``arr`` is (part of) a view of this segment."""
+        return arr.size > 0 and np.may_share_memory(arr, np.frombuffer(self.mm, np.uint8))
 
     def unlink(self):
         unlink_segment(self.name)
@@ -72,7 +92,7 @@ def new_semaphore(name):
 
 
 def remove_all(prefix):
-    """Unlink every segment and semaphore whose name starts with ``prefix``.
+    """Unlink every segment and semaphore whose name starts with ``prefix`` + ``_``.
 
     Returns the number removed.  Safe to call from any rank, any number of times."""
     base = prefix.lstrip("/") + "_"      # this session's names only, never a longer prefix
@@ -82,18 +102,16 @@ def remove_all(prefix):
     except OSError:
         return 0
     for entry in entries:
-        if entry.startswith(base):
-            try:
+        try:
+            if entry.startswith(base):
                 posix_ipc.unlink_shared_memory("/" + entry)
-                removed += 1
-            except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
-                pass
-        elif entry.startswith("sem." + base):
-            try:
+            elif entry.startswith("sem." + base):
                 posix_ipc.unlink_semaphore("/" + entry[4:])
-                removed += 1
-            except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
-                pass
+            else:
+                continue
+            removed += 1
+        except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
+            pass
     return removed
 
 

@@ -1,0 +1,411 @@
+"""Collectives through shared memory among the ranks of one host ("slots").
+
+Every rank keeps, per key, a *slot*: a segment of its own that holds its value of that
+key, published with its shape in a table every rank can read.  When a caller keeps using
+the slot a collective returned (a shared variable whose storage now is the slot), the next
+collective finds the value already in place; otherwise the value is first copied in.
+
+* ``all_reduce``: rank r reduces chunk r of every rank's slot (reduce-scatter) and writes
+  the result into chunk r of every slot (all-gather), block by block while the block is in
+  cache, so each rank reads and writes the buffer about once, like one ``np.copyto``
+  split over the ranks.  Only the chunks that other ranks read are copied in: a rank reads
+  its own chunk from its live array.
+* ``reduce``: the same, writing only into the root's slot (or its result slot).
+* ``broadcast``: every rank copies the root's slot into its own (large values: every rank
+  copies one chunk of the root's slot into every slot).
+* ``gatherv`` / ``all_gatherv`` / ``reduce_scatter``: ranks read each other's slots.
+
+Every verb has a fallible phase (allocating, attaching, checking shapes) that ends in a
+vote; nothing is written before every rank voted yes, so a failure on one rank leaves
+every rank's values as they were."""
+import numpy as np
+
+from .. import reductions as red
+from ..comm import Comm
+from ..errors import Aborted
+from . import shm
+
+MAXD = 16
+SLOT, RESULT, SHAPE = 0, 1, 2       # table planes: values, results, shape exchange
+_TMP_BLOCK_BYTES = 1 << 18          # widened (float32/float64) accumulation blocks
+_BLOCK_BYTES = 1 << 17              # in-place reduction blocks (per source), cache-resident
+_SPLIT_BCAST_BYTES = 1 << 20        # broadcast of at least this much: every rank copies a chunk
+_ALIGN = 64                         # chunk boundaries on cache lines
+
+
+class _Slots:
+    """One rank's slots plus the table through which ranks publish their slots' shapes."""
+
+    def __init__(self, prefix, rank, n, n_keys, create):
+        self.prefix, self.rank, self.n = prefix, rank, n
+        rows = max(1, n_keys)
+        self.table_seg = shm.Segment(f"{prefix}_slots", 3 * rows * n * (2 + MAXD) * 8, create=create)
+        self.table = self.table_seg.array(np.int64, (3, rows, n, 2 + MAXD))
+        self.own = {}     # (plane, key) -> (gen, Segment, address)
+        self.peers = {}   # (plane, key, rank) -> (gen, Segment)
+
+    def _own(self, plane, key, nbytes):
+        cur = self.own.get((plane, key))
+        if cur is not None and cur[1].size >= nbytes:
+            return cur
+        gen = (cur[0] + 1) if cur else 1
+        size = max(64, int(nbytes * (1.25 if cur else 1.0)))
+        shm.check_space(size)
+        seg = shm.Segment(f"{self.prefix}_v{plane}k{key}r{self.rank}g{gen}", size, create=True)
+        if cur is not None:
+            cur[1].unlink()
+        self.own[(plane, key)] = entry = (gen, seg, seg.address())
+        return entry
+
+    def announce(self, plane, key, gen, shape):
+        if len(shape) > MAXD:
+            raise ValueError(f"collectives support up to {MAXD} dimensions, got {len(shape)}")
+        row = self.table[plane, key, self.rank]
+        row[2:2 + len(shape)] = shape
+        row[1] = len(shape)
+        row[0] = gen
+
+    def holds(self, key, arr):
+        """Whether ``arr`` is exactly this rank's slot of ``key`` (no copy-in needed)."""
+        cur = self.own.get((SLOT, key))
+        return (cur is not None and isinstance(arr, np.ndarray) and arr.flags.c_contiguous
+                and arr.__array_interface__["data"][0] == cur[2] and arr.nbytes <= cur[1].size)
+
+    def overlaps(self, key, arr):
+        cur = self.own.get((SLOT, key))
+        return cur is not None and cur[1].overlaps(arr)
+
+    def ensure(self, key, dtype, shape, plane=SLOT):
+        """This rank's slot of ``key`` as an array of ``shape`` (contents kept only if the
+        allocation is reused), published in the table."""
+        shape = tuple(int(s) for s in shape)
+        if len(shape) > MAXD:
+            raise ValueError(f"collectives support up to {MAXD} dimensions, got {len(shape)}")
+        gen, seg, _ = self._own(plane, key, int(np.prod(shape)) * dtype.itemsize)
+        self.announce(plane, key, gen, shape)
+        return seg.array(dtype, shape)
+
+    def publish(self, key, arr):
+        """Make this rank's slot of ``key`` hold ``arr`` and publish its shape; returns the slot."""
+        arr = np.asarray(arr)
+        if self.holds(key, arr):
+            self.announce(SLOT, key, self.own[(SLOT, key)][0], arr.shape)
+            return arr
+        if self.overlaps(key, arr):
+            arr = np.array(arr, copy=True)          # a view of the slot itself
+        view = self.ensure(key, arr.dtype, arr.shape)
+        np.copyto(view, arr)
+        return view
+
+    def shape(self, key, rank, plane=SLOT):
+        row = self.table[plane, key, rank]
+        return tuple(int(s) for s in row[2:2 + int(row[1])])
+
+    def view(self, key, rank, dtype, plane=SLOT):
+        """The slot of ``rank`` for ``key`` as published in the table."""
+        if rank == self.rank:
+            gen, seg, _ = self.own[(plane, key)]
+        else:
+            gen = int(self.table[plane, key, rank, 0])
+            cur = self.peers.get((plane, key, rank))
+            if cur is None or cur[0] != gen:
+                cur = (gen, shm.Segment(f"{self.prefix}_v{plane}k{key}r{rank}g{gen}"))
+                self.peers[(plane, key, rank)] = cur
+            seg = cur[1]
+        return seg.array(dtype, self.shape(key, rank, plane))
+
+
+def _chunks(size, n, itemsize):
+    """Chunk boundaries of ``size`` items over ``n`` ranks, on cache-line multiples."""
+    q = max(1, _ALIGN // max(1, itemsize))
+    nq = -(-size // q)
+    b = [min(size, (r * nq // n) * q) for r in range(n + 1)]
+    b[-1] = size
+    return b
+
+
+def _addr(a):
+    return a.__array_interface__["data"][0]
+
+
+def _reduce_chunk(op, srcs, dsts, a, b, dtype):
+    """Reduce elements [a, b) of the flat ``srcs`` (rank order) into every flat ``dsts``.
+
+    Ops that accumulate in their own dtype write straight into the first destination
+    (when that is safe: it is srcs[0], srcs[1] or no source at all) and copy the block to
+    the others while it is in cache; widened ops go through a small temporary block."""
+    if b <= a:
+        return
+    n = len(srcs)
+    if n == 1:                               # one rank: the value itself
+        for d in dsts:
+            if _addr(d) != _addr(srcs[0]):
+                np.copyto(d[a:b], srcs[0][a:b])
+        return
+    fn = red.UFUNC[op]
+    wide = red.accumulator(op, dtype)
+    d0 = None
+    if wide == dtype:
+        late = {_addr(s) for s in srcs[2:]}
+        for i, d in enumerate(dsts):
+            if _addr(d) not in late:
+                d0 = d
+                others = dsts[:i] + dsts[i + 1:]
+                break
+    if d0 is not None:
+        blk = max(4096, _BLOCK_BYTES // dtype.itemsize)
+        s0, s1, rest = srcs[0], srcs[1], srcs[2:]
+        for s in range(a, b, blk):
+            e = min(b, s + blk)
+            t = d0[s:e]
+            fn(s0[s:e], s1[s:e], out=t)
+            for x in rest:
+                fn(t, x[s:e], out=t)
+            red.finish(op, t, n, dtype)
+            for o in others:
+                np.copyto(o[s:e], t)
+        return
+    blk = max(1024, _TMP_BLOCK_BYTES // wide.itemsize)
+    tmp = np.empty(min(blk, b - a), wide)
+    for s in range(a, b, blk):
+        e = min(b, s + blk)
+        t = tmp[:e - s]
+        if wide == dtype:
+            fn(srcs[0][s:e], srcs[1][s:e], out=t)
+            rest = srcs[2:]
+        else:
+            np.copyto(t, srcs[0][s:e], casting="unsafe")
+            rest = srcs[1:]
+        for x in rest:
+            fn(t, x[s:e], out=t, casting="unsafe")
+        red.finish(op, t, n, dtype)
+        for d in dsts:
+            np.copyto(d[s:e], t, casting="unsafe")
+
+
+class ShmComm(Comm):
+    """Collectives among the ranks of one host, through shared-memory slots.
+
+    ``sync`` is the control plane of the same ranks (barrier, vote, abort)."""
+
+    name = "shm"
+
+    def __init__(self, prefix, rank, n, sync, create):
+        self.prefix, self.rank, self.n = prefix, rank, n
+        self.sync, self.create = sync, create
+        self.slots = None
+        self.names = {}
+
+    def accepts(self, verb, dtype, op=None, placement="host"):
+        return placement == "host"
+
+    def setup(self, n_keys, names=None):
+        self.names = dict(names or {})
+        if self.slots is None:
+            self.slots = _Slots(self.prefix, self.rank, self.n, max(64, n_keys), self.create)
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _commit(self, write):
+        """Vote; run ``write`` on every rank once all voted yes, else raise Aborted."""
+        if not self.sync.vote(True, on_commit=write):
+            raise Aborted("another rank failed during this collective")
+
+    def _stage(self, key, arr):
+        """Copy-in for a reduction: returns ``(own flat source, shape)``.
+
+        If ``arr`` is not the slot, every chunk but this rank's own is copied into the slot
+        (the others read those); this rank reads its own chunk from ``arr``."""
+        slots = self.slots
+        arr = np.asarray(arr)
+        if slots.holds(key, arr):
+            slots.announce(SLOT, key, slots.own[(SLOT, key)][0], arr.shape)
+            return arr.reshape(-1), arr.shape
+        if slots.overlaps(key, arr):
+            arr = np.array(arr, copy=True)
+        view = slots.ensure(key, arr.dtype, arr.shape).reshape(-1)
+        flat = np.ascontiguousarray(arr).reshape(-1)
+        bounds = _chunks(flat.size, self.n, arr.dtype.itemsize)
+        a, b = bounds[self.rank], bounds[self.rank + 1]
+        if a > 0:
+            np.copyto(view[:a], flat[:a])
+        if b < flat.size:
+            np.copyto(view[b:], flat[b:])
+        return flat, arr.shape
+
+    def _equal_shapes(self, keys, what):
+        for key in keys:
+            shapes = [self.slots.shape(key, r) for r in range(self.n)]
+            if len(set(shapes)) > 1:
+                of = f" of {self.names[key]}" if key in self.names else ""
+                raise ValueError(f"{what}{of} needs the same shape on every rank, got {shapes} (by rank)")
+
+    def _all_slots(self, key, dtype, plane=SLOT):
+        return [self.slots.view(key, r, dtype, plane).reshape(-1) for r in range(self.n)]
+
+    def _prepare_reduction(self, items, what):
+        """Stage, meet, check shapes (every rank raises alike), attach every rank's slots."""
+        staged = [self._stage(key, arr) for key, arr in items]
+        self.sync.barrier(check_after=False)
+        self._equal_shapes([k for k, _ in items], what)
+        views = [self._all_slots(key, np.asarray(arr).dtype) for key, arr in items]
+        return staged, views
+
+    def _sources(self, views, flat):
+        srcs = list(views)
+        srcs[self.rank] = flat                 # own chunk from the live array (maybe the slot)
+        return srcs
+
+    # ---- verbs ---------------------------------------------------------------------------
+    def all_reduce(self, items, op, fence=True):
+        if self.n == 1:
+            return [np.asarray(a) for _, a in items]
+        staged, views = self._prepare_reduction(items, "all_reduce")
+
+        def write():
+            for (flat, _), vs in zip(staged, views):
+                bounds = _chunks(flat.size, self.n, flat.dtype.itemsize)
+                _reduce_chunk(op, self._sources(vs, flat), vs, bounds[self.rank], bounds[self.rank + 1],
+                              flat.dtype)
+        self._commit(write)
+        if fence:
+            self.sync.barrier()
+        return [vs[self.rank].reshape(shape) for (_, shape), vs in zip(staged, views)]
+
+    def reduce(self, items, op, root, in_place=True, fence=True):
+        """``in_place``: the root's result is its slot of the key (its value is replaced);
+        otherwise a separate result buffer (valid until the next reduce of that key)."""
+        if self.n == 1:
+            return [np.asarray(a) if in_place else np.array(a, copy=True) for _, a in items]
+        if self.rank == root and not in_place:
+            for key, arr in items:
+                arr = np.asarray(arr)
+                self.slots.ensure(key, arr.dtype, arr.shape, plane=RESULT)
+        staged, views = self._prepare_reduction(items, "reduce")
+        plane = SLOT if in_place else RESULT
+        dests = [vs[root] if in_place else self.slots.view(key, root, np.asarray(arr).dtype, RESULT).reshape(-1)
+                 for (key, arr), vs in zip(items, views)]
+
+        def write():
+            for (flat, _), vs, dest in zip(staged, views, dests):
+                bounds = _chunks(flat.size, self.n, flat.dtype.itemsize)
+                _reduce_chunk(op, self._sources(vs, flat), [dest], bounds[self.rank], bounds[self.rank + 1],
+                              flat.dtype)
+        self._commit(write)
+        if fence:
+            self.sync.barrier()
+        if self.rank != root:
+            return None
+        return [self.slots.view(key, root, np.asarray(arr).dtype, plane).reshape(shape)
+                for (key, arr), (_, shape) in zip(items, staged)]
+
+    def broadcast(self, items, root, fence=True):
+        if self.n == 1:
+            return [np.asarray(a) for _, a, _ in items]
+        if self.rank == root:
+            for key, arr, dtype in items:
+                self.slots.publish(key, np.asarray(arr, dtype=dtype))
+        self.sync.barrier(check_after=False)
+        targets = []
+        for key, _, dtype in items:
+            dtype = np.dtype(dtype)
+            shape = self.slots.shape(key, root)
+            src = self.slots.view(key, root, dtype)
+            dst = src if self.rank == root else self.slots.ensure(key, dtype, shape)
+            targets.append((key, dtype, src, dst))
+        total = sum(src.nbytes for _, _, src, _ in targets)
+        split = total >= _SPLIT_BCAST_BYTES
+        if split:
+            self.sync.barrier()        # every rank has sized its slot: now attach them all
+            flats = [self._all_slots(key, dtype) for key, dtype, _, _ in targets]
+
+        def write():
+            if not split:
+                for _, _, src, dst in targets:
+                    if dst is not src:
+                        np.copyto(dst, src)
+                return
+            for (_, dtype, src, _), vs in zip(targets, flats):
+                s = src.reshape(-1)
+                bounds = _chunks(s.size, self.n, dtype.itemsize)
+                a, b = bounds[self.rank], bounds[self.rank + 1]
+                for r in range(self.n):
+                    if r != root and b > a:
+                        np.copyto(vs[r][a:b], s[a:b])
+        self._commit(write)
+        if fence:
+            self.sync.barrier()
+        return [dst for _, _, _, dst in targets]
+
+    def _publish_all(self, items):
+        for key, arr in items:
+            self.slots.publish(key, arr)
+        self.sync.barrier()
+
+    def gatherv(self, items, root, fence=True):
+        if self.n == 1:
+            return [[np.array(a, copy=True)] for _, a in items]
+        if self.rank != root:
+            self._publish_all(items)
+            if fence:
+                self.sync.barrier()
+            return None
+        self.sync.barrier()              # the root reads its own value where it is
+        out = []
+        for key, arr in items:
+            arr = np.asarray(arr)
+            out.append([np.array(arr if r == root else self.slots.view(key, r, arr.dtype), copy=True)
+                        for r in range(self.n)])
+        if fence:
+            self.sync.barrier()
+        return out
+
+    def all_gatherv(self, items, fence=True):
+        if self.n == 1:
+            return [np.array(a, copy=True) for _, a in items]
+        self._publish_all(items)
+        parts = []
+        for key, arr in items:
+            arr = np.asarray(arr)
+            ps = [self.slots.view(key, r, arr.dtype) for r in range(self.n)]
+            if ps[0].ndim == 0 or len({p.shape[1:] for p in ps}) > 1:
+                of = f" of {self.names[key]}" if key in self.names else ""
+                raise ValueError(f"all_gather{of} concatenates along axis 0 and needs equal trailing shapes "
+                                 f"of at least 1 dimension; got {[p.shape for p in ps]} (by rank)")
+            parts.append(ps)
+        out = [np.concatenate(ps, axis=0) for ps in parts]
+        self.sync.barrier()              # nobody reads the slots any more
+        return out
+
+    def reduce_scatter(self, items, op, fence=True):
+        if self.n == 1:
+            return [np.array(a, copy=True) for _, a in items]
+        staged, views = self._prepare_reduction(items, "reduce_scatter")
+        out = []
+        for (flat, shape), vs in zip(staged, views):
+            if len(shape) == 0:
+                raise ValueError("reduce_scatter splits along axis 0 and needs at least 1 dimension")
+            rows = [(r * shape[0]) // self.n for r in range(self.n + 1)]
+            per = int(np.prod(shape[1:]))
+            a, b = rows[self.rank] * per, rows[self.rank + 1] * per
+            res = np.empty((rows[self.rank + 1] - rows[self.rank],) + tuple(shape[1:]), flat.dtype)
+            out.append((a, b, res, self._sources(vs, flat)))
+
+        def write():
+            for a, b, res, srcs in out:
+                _reduce_chunk(op, [s[a:b] for s in srcs], [res.reshape(-1)], 0, b - a, res.dtype)
+        self._commit(write)
+        self.sync.barrier()              # sources may change only once every rank has read them
+        return [res for _, _, res, _ in out]
+
+    def shapes(self, shapes):
+        if self.n == 1:
+            return [[tuple(s)] for s in shapes]
+        for i, s in enumerate(shapes):
+            self.slots.announce(SHAPE, i, 0, tuple(s))
+        self.sync.barrier()
+        out = [[self.slots.shape(i, r, SHAPE) for r in range(self.n)] for i in range(len(shapes))]
+        self.sync.barrier()
+        return out
+
+    def barrier(self):
+        self.sync.barrier()

@@ -1,0 +1,351 @@
+"""Control plane through POSIX shared memory, for the ranks of one host.
+
+State lives in one shared "ctrl" array of int64; semaphores are only wake-up hints.  A
+waiter always checks the state before it sleeps and after it wakes, so a lost, late or
+extra post can delay nobody and fool nobody:
+
+* the master writes a command into its mailbox (pickle protocol 5, numpy buffers out of
+  band), then publishes its sequence number (``CMD_SEQ``), then wakes the workers;
+* a worker writes its reply into its own mailbox, then publishes the number of the command
+  it answers (``REPLY_SEQ[rank]``), then wakes the master;
+* barriers and votes are numbered ``seq * 4096 + step`` (``step`` counts the barriers and
+  votes of one command), so that no arrival or vote of an aborted command can be taken for
+  one of a later command;
+* ``ABORT_SEQ = seq`` aborts command ``seq``; ``DECISION`` holds the number of the last
+  vote the master committed."""
+import os
+import pickle
+import re
+import struct
+
+import numpy as np
+import posix_ipc
+
+from . import shm
+from ..control import Buffer, Control
+from ..errors import Aborted
+from .. import signals
+
+CMD_SEQ, ABORT_SEQ, MASTER_PID, DECISION = 0, 1, 2, 3
+_BASE, _STRIDE = 8, 8              # per-rank fields, one cache line per rank
+GEN, REPLY_SEQ, ARRIVE, VOTE = 0, 1, 2, 3
+_STEP = 4096                       # barriers and votes per command at most
+_ALIGN = 64
+_HDR = struct.Struct("<qQQ")       # seq, pickle length, number of out-of-band buffers
+_BUF = struct.Struct("<QQ")        # offset, length
+
+
+def _align(x):
+    return (x + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def ctrl_size(n):
+    return _BASE + _STRIDE * n
+
+
+class _Mailbox:
+    """One rank's outgoing message area: a segment it owns and regrows as needed."""
+
+    def __init__(self, prefix, rank, gen):
+        self.prefix, self.rank, self.gen = prefix, rank, gen    # gen: 1-element view into ctrl
+        self.seg = None
+
+    def write(self, seq, obj):
+        bufs = []
+        header = pickle.dumps(obj, protocol=5, buffer_callback=bufs.append)
+        raws = [b.raw() for b in bufs]
+        off = _align(_HDR.size + _BUF.size * len(raws) + len(header))
+        offsets = []
+        for r in raws:
+            offsets.append(off)
+            off = _align(off + r.nbytes)
+        if self.seg is None or self.seg.size < off:
+            self._grow(off)
+        mm = self.seg.mm
+        pos = _HDR.size
+        for o, r in zip(offsets, raws):
+            _BUF.pack_into(mm, pos, o, r.nbytes)
+            pos += _BUF.size
+        mm[pos:pos + len(header)] = header
+        for o, r in zip(offsets, raws):
+            mm[o:o + r.nbytes] = r
+        _HDR.pack_into(mm, 0, seq, len(header), len(raws))
+
+    def _grow(self, needed):
+        gen = int(self.gen[0]) + 1
+        size = max(1 << 16, int(needed * 1.5))
+        size = (size + shm.PAGE - 1) // shm.PAGE * shm.PAGE
+        shm.check_space(size)
+        new = shm.Segment(f"{self.prefix}_m{self.rank}_{gen}", size, create=True)
+        old, self.seg = self.seg, new
+        self.gen[0] = gen
+        if old is not None:
+            old.unlink()
+
+    def close(self):
+        if self.seg is not None:
+            self.seg.unlink()
+            self.seg = None
+
+
+class _MailboxReader:
+    """Reads another rank's mailbox, re-attaching when its owner regrew it."""
+
+    def __init__(self, prefix, rank, gen):
+        self.prefix, self.rank, self.gen = prefix, rank, gen
+        self.seg, self.seen = None, 0
+
+    def read(self, seq):
+        gen = int(self.gen[0])
+        if gen != self.seen:
+            self.seg = shm.Segment(f"{self.prefix}_m{self.rank}_{gen}")
+            self.seen = gen
+        mm = self.seg.mm
+        got, hlen, nbuf = _HDR.unpack_from(mm, 0)
+        if got != seq:
+            raise RuntimeError(f"synkhronos: rank {self.rank}'s message is for command {got}, "
+                               f"expected {seq}")
+        pos = _HDR.size
+        views = []
+        mv = memoryview(mm)
+        for _ in range(nbuf):
+            o, ln = _BUF.unpack_from(mm, pos)
+            pos += _BUF.size
+            views.append(mv[o:o + ln])
+        header = mm[pos:pos + hlen]
+        return pickle.loads(header, buffers=views)
+
+
+class ShmBuffer(Buffer):
+    __slots__ = ("seg",)
+
+    def __init__(self, seg):
+        self.seg = seg
+
+    handle = property(lambda self: self.seg.name)
+
+    def array(self, dtype, shape):
+        return self.seg.array(dtype, shape)
+
+    def release(self):
+        self.seg.unlink()
+
+
+class ShmControl(Control):
+    """Commands, replies, barriers and votes among the ranks of one host."""
+
+    def __init__(self, prefix, n, rank, master_rank, waiter, create):
+        self.prefix, self.n, self.rank, self.master_rank = prefix, n, rank, master_rank
+        self.is_master = rank == master_rank
+        self.waiter = waiter
+        self.workers = tuple(r for r in range(n) if r != master_rank)
+        self.ctrl_seg = shm.Segment(prefix + "_ctrl", ctrl_size(n) * 8, create=create)
+        self.ctrl = self.ctrl_seg.array(np.int64, (ctrl_size(n),))
+        if create:
+            self.ctrl[MASTER_PID] = os.getpid()     # lets a later run reap this one if it dies
+            for r in range(n):
+                self._set(r, REPLY_SEQ, -1)         # the start-up reply is number 0
+        opener = shm.new_semaphore if create else posix_ipc.Semaphore
+        self.wake = [opener(f"{prefix}_w{r}") for r in range(n)]
+        self.mailbox = _Mailbox(prefix, rank, self._field(rank, GEN))
+        self.readers = {r: _MailboxReader(prefix, r, self._field(r, GEN)) for r in range(n) if r != rank}
+        self.seq = int(self.ctrl[CMD_SEQ])
+        self.step = 0
+        self.n_buffers = 0
+        self.views = {}          # handle -> Segment attached here
+
+    def _field(self, rank, f):
+        i = _BASE + _STRIDE * rank + f
+        return self.ctrl[i:i + 1]
+
+    def _get(self, rank, f):
+        return int(self.ctrl[_BASE + _STRIDE * rank + f])
+
+    def _set(self, rank, f, value):
+        self.ctrl[_BASE + _STRIDE * rank + f] = value
+
+    def _sleep(self, tick):
+        """Sleep until woken or ``tick`` passes.  Signals are held meanwhile and delivered
+        right after: posix_ipc would replace a handler's exception (Ctrl-C, a timeout) by
+        its own SignalError, so the handler runs in Python instead, within one tick."""
+        sem = self.wake[self.rank]
+        try:
+            with signals.deferred():
+                sem.acquire(tick)
+        except (posix_ipc.BusyError, posix_ipc.SignalError):   # timeout; a stop/continue
+            return
+        while sem.value > 0:               # extra posts would only cause empty wake-ups
+            try:
+                sem.acquire(0)
+            except posix_ipc.BusyError:
+                break
+
+    def _post(self, ranks):
+        for r in ranks:
+            self.wake[r].release()
+
+    def _others(self):
+        return [r for r in range(self.n) if r != self.rank]
+
+    # ---- master --------------------------------------------------------------------------
+    def send(self, seq, message):
+        self.mailbox.write(seq, message)
+        self.ctrl[CMD_SEQ] = seq            # the commit point: from here on workers see it
+        self.begin(seq)
+        self._post(self.workers)
+
+    def committed(self):
+        return int(self.ctrl[CMD_SEQ])
+
+    def collect(self, seq, ranks, what="command"):
+        for r in ranks:
+            self.waiter.wait(lambda: self._get(r, REPLY_SEQ) == seq, self._sleep,
+                             owed=lambda: [x for x in ranks if self._get(x, REPLY_SEQ) != seq], what=what)
+            yield r, self.readers[r].read(seq)
+
+    def peek(self, seq, rank):
+        """Rank ``rank``'s reply to command ``seq`` if it is there already, else None."""
+        return self.readers[rank].read(seq) if self._get(rank, REPLY_SEQ) == seq else None
+
+    def alloc(self, nbytes, tag="d"):
+        shm.check_space(nbytes)
+        self.n_buffers += 1
+        return ShmBuffer(shm.Segment(f"{self.prefix}_{tag}{self.n_buffers}", nbytes, create=True))
+
+    # ---- worker --------------------------------------------------------------------------
+    def receive(self):
+        last = self.seq
+        self.waiter.wait(lambda: int(self.ctrl[CMD_SEQ]) != last, self._sleep, idle=True,
+                         what="the next command")
+        seq = int(self.ctrl[CMD_SEQ])
+        self.begin(seq)
+        return seq, self.readers[self.master_rank].read(seq)
+
+    def reply(self, seq, obj):
+        self.mailbox.write(seq, obj)
+        self._set(self.rank, REPLY_SEQ, seq)
+        self._post([self.master_rank])
+
+    # ---- every rank ----------------------------------------------------------------------
+    def begin(self, seq):
+        self.seq, self.step = seq, 0
+
+    def abort(self, seq=None):
+        self.ctrl[ABORT_SEQ] = self.seq if seq is None else seq
+        self._post(self._others())
+
+    def aborted(self):
+        return int(self.ctrl[ABORT_SEQ]) == self.seq
+
+    def _token(self):
+        self.step += 1
+        return self.seq * _STEP + self.step
+
+    def barrier(self, check_after=True):
+        if self.n == 1:
+            return
+        token = self._token()
+        self._set(self.rank, ARRIVE, token)
+        self._post(self._others())
+        late = lambda: [r for r in range(self.n) if self._get(r, ARRIVE) < token]  # noqa: E731
+
+        def ready():
+            if not late():
+                return True
+            if self.aborted():
+                raise Aborted("another rank failed during this command")
+            return False
+
+        self.waiter.wait(ready, self._sleep, owed=late, what="a barrier")
+        if check_after and self.aborted():
+            raise Aborted("another rank failed during this command")
+
+    def vote(self, ok, on_commit=None):
+        token = self._token()
+        if self.n == 1:
+            if ok:
+                signals.hold()
+                if on_commit is not None:
+                    on_commit()
+            return bool(ok)
+        if not self.is_master:
+            self._set(self.rank, VOTE, token if ok else -token)
+            self._post([self.master_rank])
+            if not ok:
+                return False
+            decided = lambda: int(self.ctrl[DECISION]) == token or self.aborted()  # noqa: E731
+            self.waiter.wait(decided, self._sleep, owed=lambda: [self.master_rank], what="a vote")
+            if self.aborted():
+                return False
+            if on_commit is not None:
+                on_commit()
+            return True
+        late = lambda: [r for r in self.workers if abs(self._get(r, VOTE)) != token]  # noqa: E731
+        try:
+            self.waiter.wait(lambda: self.aborted() or not late(), self._sleep, owed=late, what="a vote")
+        except BaseException:
+            self.abort()
+            raise
+        signals.hold()                 # from the decision to the end of the command: no signal
+        commit = ok and not self.aborted() and all(self._get(r, VOTE) == token for r in self.workers)
+        if commit:
+            self.ctrl[DECISION] = token
+            self._post(self.workers)
+            if on_commit is not None:
+                on_commit()
+        else:
+            self.abort()
+        return commit
+
+    def view(self, handle, dtype, shape):
+        seg = self.views.get(handle)
+        if seg is None:
+            seg = self.views[handle] = shm.Segment(handle)
+        return seg.array(dtype, shape)
+
+    def forget(self, handles):
+        for h in handles:
+            self.views.pop(h, None)
+
+    def close(self):
+        self.mailbox.close()
+        if self.is_master:
+            shm.remove_all(self.prefix)
+
+
+_SESSION_CTRL = re.compile(r"synk_[0-9a-f]{16}_ctrl")
+
+
+def _owner(name):
+    try:
+        return os.stat(os.path.join(shm.SHM_DIR, name + "_ctrl")).st_uid
+    except OSError:
+        return -1
+
+
+def reap_stale_sessions():
+    """Remove the segments of earlier sessions of this user whose master process is gone.
+
+    A session cleans up after itself on close, on a master's SIGTERM and when its master
+    dies; only when every process of a session was killed at once is there nobody left to
+    do it.  Returns the number of sessions removed."""
+    prefixes = {e[:-len("_ctrl")] for e in shm.leftovers("synk_") if _SESSION_CTRL.fullmatch(e)}
+    reaped = 0
+    for p in prefixes:
+        try:
+            seg = shm.Segment("/" + p + "_ctrl")
+            pid = int(seg.array("int64", (_BASE,))[MASTER_PID])
+        except (OSError, ValueError, posix_ipc.Error):
+            continue
+        if pid <= 0 or _owner(p) != os.getuid():
+            continue
+        try:
+            os.kill(pid, 0)
+            continue                  # its master is alive (or the pid was reused): leave it
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shm.remove_all("/" + p)
+        reaped += 1
+    return reaped

@@ -1,0 +1,26 @@
+"""What one process holds to act as a rank, master or worker: its device, control and comm
+planes, and the shared variables and functions every rank holds in the same order."""
+class Rank:
+    def __init__(self, rank, n, master_rank, device, control, comm):
+        self.rank, self.n, self.master_rank = rank, n, master_rank
+        self.device, self.control, self.comm = device, control, comm
+        self.shareds = []      # registry index -> shared variable (same order on every rank)
+        self.replicas = []     # function id -> Replica
+        self.pending = None    # (seq, apply) of a call's updates, until the master settles it
+
+    is_master = property(lambda self: self.rank == self.master_rank)
+
+    def view(self, ref):
+        """The local array of an ``ArrayRef``."""
+        return self.control.array(ref)
+
+    def hold(self, seq, apply):
+        """Keep ``apply`` (this rank's share of command ``seq``'s state change) until the
+        master says whether every rank succeeded."""
+        self.pending = (seq, apply)
+
+    def settle(self, settle):
+        """Apply or drop what command ``settle[0]`` left pending (``settle[1]``: commit)."""
+        pending, self.pending = self.pending, None
+        if settle is not None and pending is not None and pending[0] == settle[0] and settle[1]:
+            pending[1]()

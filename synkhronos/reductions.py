@@ -1,0 +1,70 @@
+"""Reduction semantics, shared by function outputs (over slices and ranks) and collectives.
+
+``avg`` is the mean weighted by how many rows each part covered (equal weights for
+collectives), so it is the true mean over the whole batch even for unequal shards.  Every
+reduction accumulates in ``accumulator(op, dtype)``: float16 sums and means in float32,
+integer and bool means in float64, rounded to the nearest integer (half to even) and cast
+back to the dtype; everything else in its own dtype."""
+import numpy as np
+
+OPS = ("avg", "sum", "prod", "max", "min")
+OUTPUT_MODES = OPS + ("gather", None)
+UFUNC = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+
+
+def check_mode(mode, allowed=OUTPUT_MODES, what="reduce mode"):
+    """Validate a mode name (the original's ``c_`` prefixes are accepted and ignored)."""
+    if isinstance(mode, str) and mode.startswith("c_"):
+        mode = mode[2:]
+    if mode not in allowed:
+        raise ValueError(f"invalid {what} {mode!r}; expected one of {list(allowed)}")
+    return mode
+
+
+def accumulator(op, dtype):
+    """The dtype in which ``op`` accumulates values of ``dtype``."""
+    dtype = np.dtype(dtype)
+    if op == "avg" and dtype.kind in "biu":
+        return np.dtype(np.float64)
+    if dtype == np.float16 and op in ("sum", "avg"):
+        return np.dtype(np.float32)
+    return dtype
+
+
+def finish(op, acc, total, dtype):
+    """Turn an accumulated sum into the result of ``op`` in place (``total``: the summed
+    weight, or the number of ranks) and return it, still in the accumulator dtype."""
+    if op != "avg":
+        return acc
+    if np.dtype(dtype).kind in "biu":
+        np.divide(acc, total, out=acc)
+        np.rint(acc, out=acc)
+    else:
+        acc *= acc.dtype.type(1.0 / total)
+    return acc
+
+
+def combine(mode, parts, weights=None):
+    """Combine equally shaped arrays ``parts`` by ``mode`` into a new array.
+
+    ``weights`` (row counts) matter only for ``avg``; ``None`` means equal weights."""
+    first = np.asarray(parts[0])
+    if mode == "gather":
+        return np.stack(parts) if first.ndim == 0 else np.concatenate(parts, axis=0)
+    if mode is None or len(parts) == 1:
+        return np.array(first, copy=True)
+    acc_dtype = accumulator(mode, first.dtype)
+    if mode == "avg" and weights is not None:
+        w = np.asarray(weights, dtype=np.float64)
+        acc = np.multiply(first, w[0], dtype=acc_dtype)
+        for p, wi in zip(parts[1:], w[1:]):
+            acc += np.multiply(p, wi, dtype=acc_dtype)
+        total = float(w.sum())
+    else:
+        fn = UFUNC[mode]
+        acc = np.array(first, dtype=acc_dtype, copy=True)
+        for p in parts[1:]:
+            fn(acc, p, out=acc, casting="unsafe")
+        total = len(parts)
+    acc = np.asarray(finish(mode, np.asarray(acc), total, first.dtype))
+    return acc if acc.dtype == first.dtype else acc.astype(first.dtype)

@@ -1,0 +1,118 @@
+"""What every rank holds of one ``synk.function``, and how it computes its share of a call.
+
+A replica has the function compiled into a variant that returns its outputs and its
+update values (updates are applied by synkhronos, so that sliced calls can accumulate them
+and a failed call applies none), plus, with ``sliceable_shareds``, a variant that reads
+those shared variables through an index vector.  A rank computes on its rows, keeps its
+new update values pending (``Rank.hold``) and returns its outputs with its row count."""
+import numpy as np
+
+from . import shards
+from .reductions import combine
+from .signals import restore_interrupt
+
+
+class Replica:
+    """Compiled variants and metadata of one function; pickled to every worker."""
+
+    def __init__(self, fid, f, f_s, n_scatter, n_bcast, n_out, modes, update_vars, update_modes, sliceable):
+        self.fid, self.f, self.f_s, self.sliceable = fid, f, f_s, sliceable
+        self.n_scatter, self.n_bcast, self.n_out = n_scatter, n_bcast, n_out
+        self.modes, self.update_vars, self.update_modes = modes, update_vars, update_modes
+
+    def shareds(self):
+        out = list(self.update_vars)
+        for fn in (self.f, self.f_s):
+            if fn is not None:
+                out.extend(fn.get_shared())
+        return out
+
+    def adopt(self, device):
+        """Prepare the compiled variants of an unpickled replica for ``device``."""
+        self.f = device.adopt(self.f)
+        if self.f_s is not None:
+            self.f_s = device.adopt(self.f_s)
+
+    def sliceable_length(self, device):
+        lens = {len(device.get(v)) for v in self.sliceable}
+        if len(lens) > 1:
+            raise ValueError(f"sliceable shareds have different lengths {sorted(lens)} in this rank; "
+                             "give batch_s or make them equal")
+        return lens.pop()
+
+    def run(self, ctx, scat, bcast, plan):
+        """Compute rank ``ctx.rank``'s share from its rows ``scat`` of the scattered inputs and
+        the broadcast inputs ``bcast``.  Returns ``(outputs, rows)``, or None without rows."""
+        rank, device = ctx.rank, ctx.device
+        ns = self.n_scatter
+        rows = plan.rows.bounds[rank + 1] - plan.rows.bounds[rank] if ns else None
+        sel = None if plan.sel_s is None else plan.sel_s[rank]
+        num_slices = plan.num_slices
+        if self.f_s is not None and (sel is not None or num_slices > 1):
+            sel_idx = self._selection(sel, rank, device)
+            if rows is not None and rows != len(sel_idx):
+                raise ValueError(f"rank {rank}: scattered inputs give {rows} rows but batch_s selects "
+                                 f"{len(sel_idx)} rows of the sliceable shareds; they must agree")
+            rows = len(sel_idx)
+        else:
+            sel_idx = None
+            if rows is None and self.sliceable:     # whole local sliceable shareds: weight by rows
+                rows = self.sliceable_length(device)
+        if rows == 0:
+            return None
+        if num_slices <= 1 or rows is None:
+            outs = self._call(scat, bcast, sel_idx)
+        else:
+            outs = self._sliced(scat, bcast, sel_idx, rows, num_slices)
+        n_out = self.n_out
+        news = outs[n_out:]
+        if self.update_vars:
+            ctx.hold(ctx.seq, lambda: [device.set(var, val) for var, val in zip(self.update_vars, news)])
+        res = [device.to_host(o) for o in outs[:n_out]]
+        if not ctx.is_master and plan.send is not None:      # outputs the master will not use
+            res = [o if plan.send[i] else None for i, o in enumerate(res)]
+        return res, (1 if rows is None else rows)
+
+    def run_empty(self, scat, bcast, variant):
+        """Every shard is empty: compute once on the empty input, as serial PyTensor would
+        (updates are not applied)."""
+        scat = [x[:0] for x in scat]
+        sel = np.zeros(0, np.int64) if variant == "s" else None
+        return self._call(scat, bcast, sel)[:self.n_out], 0
+
+    def _selection(self, sel, rank, device):
+        local_len = self.sliceable_length(device)
+        if sel is None:
+            return np.arange(local_len, dtype=np.int64)
+        if sel[0] == "range":
+            if sel[2] > local_len:
+                raise IndexError(f"batch_s slice {sel[1]}:{sel[2]} is out of range for rank {rank}'s "
+                                 f"sliceable shareds of length {local_len}")
+            return np.arange(sel[1], sel[2], dtype=np.int64)
+        idx = sel[1]
+        if len(idx) and idx.max() >= local_len:
+            raise IndexError(f"batch_s index {idx.max()} is out of range for rank {rank}'s "
+                             f"sliceable shareds of length {local_len}")
+        return idx
+
+    def _call(self, scat, bcast, sel_idx):
+        try:
+            if sel_idx is None:
+                return self.f(*scat, *bcast)
+            return self.f_s(*scat, *bcast, sel_idx)
+        except SystemError as e:         # a Ctrl-C inside compiled code: keep it an interrupt
+            restore_interrupt(e)
+            raise
+
+    def _sliced(self, scat, bcast, sel_idx, rows, num_slices):
+        parts, weights = [], []
+        for pa, pb in shards.pieces(rows, num_slices):
+            s = [x[pa:pb] for x in scat]
+            parts.append(self._call(s, bcast, None if sel_idx is None else sel_idx[pa:pb]))
+            weights.append(pb - pa)
+        modes = list(self.modes) + list(self.update_modes)
+        out = []
+        for i, mode in enumerate(modes):
+            vals = [p[i] for p in parts]
+            out.append(vals[-1] if mode is None else combine(mode, vals, weights))
+        return out

@@ -1,0 +1,477 @@
+"""The master's session: ``fork()`` starts the ranks, ``close()`` stops them, and
+``Session.execute`` is the one path by which any command reaches the workers.
+
+A command is sent, the master computes its own share, then the replies are collected; a
+worker's failure becomes an exception naming its rank.  The session is robust to being
+interrupted at any instant: the command in flight is recorded before it is sent and
+finished by the next command (its replies are collected by sequence number, never
+confused with the current ones), and state changes of a call are committed on every rank
+only once every rank has succeeded (``commit``; workers apply theirs when the next
+command tells them to)."""
+import atexit
+import json
+import os
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from . import signals
+from .control import DEFAULT_STALL, Waiter, env_seconds
+from .debug import DebugMismatch, compare, fingerprint
+from .debug import enabled as debug_enabled
+from .device import select_device
+from .errors import (Aborted, ForeignSession, StallTimeout, SynkError, WorkerDied,
+                     WorkerError, WorkerStopped)
+from .launcher import RankGone, SubprocessLauncher
+from .rank import Rank
+
+_session = None
+IN_WORKER = False  # set by synkhronos.worker
+
+
+class NestedCall(SynkError):
+    """synkhronos was used while another of its calls was in progress on the same thread."""
+
+
+class _Inflight:
+    """The command sent last, until all its replies are collected."""
+
+    __slots__ = ("seq", "owed", "replies", "forget", "settle")
+
+    def __init__(self, seq, owed, forget, settle):
+        self.seq, self.owed, self.replies = seq, list(owed), {}
+        self.forget, self.settle = forget, settle
+
+
+class Session:
+    """State of one fork() … close() session in the master."""
+
+    def __init__(self, device, master_rank, profile_workers=False, debug=False, stall=DEFAULT_STALL,
+                 timeout=None):
+        from .backends import local_backend
+        self.device = device
+        self.n = device.n
+        self.rank = self.master_rank = master_rank
+        self.pid = os.getpid()
+        self.profile_workers = profile_workers
+        self.debug = debug
+        self.debug_log = []            # per command: {rank: fingerprint} (debug mode only)
+        self.waiter = Waiter(self._check, stall, timeout)
+        self.launcher = SubprocessLauncher()
+        self.backend = local_backend
+        self.ctx = None
+        self.closed = False
+        self.distributed = False
+        self.functions = []
+        self.shared_ids = {}           # id(var) -> registry index
+        self.forget = []               # buffer handles workers should drop (piggybacked)
+        self.inflight = None
+        self.settle = None             # (seq, commit) for the workers, sent with the next command
+        self.commands_sent = {}        # command name -> how many were sent
+        self.n_data = 0                # Data objects made (their IDs)
+        self.scratch = {}              # reusable staging Data of the collectives
+        self.lock = threading.RLock()  # one command at a time, whichever thread calls
+        self._depth, self._owner = 0, None
+        self.saved_signals = {}
+        self.lengths = LengthCache()
+
+    shareds = property(lambda self: self.ctx.shareds)
+
+    # ---- life cycle ------------------------------------------------------------------------
+    def start(self, timeout):
+        self.info = self.backend.create(self)
+        self.ctx = Rank(self.rank, self.n, self.master_rank, self.device, self.info.control, self.info.comm)
+        pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        cfg = dict(self.info.worker_config, n=self.n, master_rank=self.master_rank, master_pid=self.pid,
+                   device=self.device.kind, sys_path=[p for p in sys.path if p],
+                   profile=self.profile_workers, debug=self.debug, stall=self.waiter.stall,
+                   timeout=self.waiter.timeout)
+
+        def env_for(r):
+            env = dict(os.environ)
+            env.update(self.device.worker_env(r))
+            # the session's names go through the environment, which only this user can read
+            # (/proc/PID/environ), not the command line, which every user can
+            env["SYNK_WORKER_CONFIG"] = json.dumps(cfg)
+            env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+            return env
+
+        argv = lambda r: [sys.executable, "-P", "-m", "synkhronos.worker", json.dumps({"rank": r})]  # noqa: E731
+        try:
+            self.launcher.start(self.ctx.control.workers, argv, env_for)
+            self.device.init_master(self.rank)
+            start_waiter = Waiter(self._check, None, timeout)
+            ctl = self.ctx.control
+            errors = {}
+            saved, ctl.waiter = ctl.waiter, start_waiter
+            try:
+                for r, (status, payload) in ctl.collect(0, ctl.workers, "start-up"):
+                    if status != "ok":
+                        errors[r] = payload
+            finally:
+                ctl.waiter = saved
+            if errors:
+                raise WorkerError(errors, "start-up")
+        except RankGone as g:
+            err = self._startup_error(g.rank)
+            self.shutdown(graceful=False)
+            if err is not None:       # it reported why before exiting: show its traceback
+                raise WorkerError({g.rank: err}, "start-up") from None
+            raise self._lost(g, "start-up") from None
+        except StallTimeout as e:
+            self.shutdown(graceful=False)
+            raise TimeoutError(f"synkhronos: workers did not start within {timeout} s ({e})") from None
+        except BaseException:
+            self.shutdown(graceful=False)
+            raise
+
+    def _startup_error(self, rank):
+        """The error a worker that died during start-up replied with, if any."""
+        try:
+            reply = self.ctx.control.peek(0, rank)
+        except Exception:
+            return None
+        return reply[1] if reply is not None and reply[0] != "ok" else None
+
+    def _check(self):
+        self.launcher.check()
+
+    def _lost(self, gone, what):
+        host = gone.host
+        if gone.stopped is not None:
+            return WorkerStopped(gone.rank, gone.stopped, what, host)
+        return WorkerDied(gone.rank, gone.returncode, what, host)
+
+    def shutdown(self, graceful=True):
+        """Stop the workers (politely first), free every resource, undo thread limits."""
+        if self.closed:
+            return
+        self.closed = True
+        ctx = self.ctx
+        if ctx is not None and graceful and ctx.control.workers and self.launcher.info():
+            try:
+                quick = Waiter(self._check, None, 5.0)
+                ctx.control.waiter = quick
+                self._finish_inflight("close")
+                self._send("quit", ())
+                self._collect_all("close")
+            except BaseException:
+                pass
+        self.launcher.stop(graceful)
+        self.device.release_master()
+        for sig, handler in self.saved_signals.items():
+            try:
+                if signal.getsignal(sig) is _raise_exit:
+                    signal.signal(sig, handler)
+            except ValueError:
+                pass
+        if ctx is not None:
+            ctx.comm.close()
+            ctx.control.close()
+        self.backend.remove(self)
+        global _session
+        if _session is self:
+            _session = None
+
+    # ---- entering the API ------------------------------------------------------------------
+    @contextmanager
+    def api(self, require_distributed=False):
+        """Entered by every public call: one call at a time; a call made from a signal
+        handler or callback while another call of this thread is in progress is refused."""
+        with self.lock:
+            if self._depth and self._owner == threading.get_ident():
+                raise NestedCall("synkhronos was called while another synkhronos call is in progress on "
+                                 "this thread (from a signal handler or a callback?); the outer call is "
+                                 "interrupted. Call synkhronos outside of signal handlers.")
+            self.check_usable(require_distributed)
+            self._depth += 1
+            self._owner = threading.get_ident()
+            try:
+                yield self
+            finally:
+                self._depth -= 1
+
+    def check_usable(self, require_distributed=False):
+        if os.getpid() != self.pid:
+            raise ForeignSession(f"this synkhronos session belongs to process {self.pid}; a process "
+                                 "forked from it cannot use it (call synk.fork() in the child for a "
+                                 "session of its own, before the parent's session exists)")
+        if self.closed:
+            raise RuntimeError("synkhronos is closed; call synk.fork() first")
+        if require_distributed and not self.distributed:
+            raise RuntimeError("functions are not distributed yet: call synk.distribute() first")
+
+    # ---- commands --------------------------------------------------------------------------
+    def _send(self, name, args):
+        """Record, then send, command ``name``; returns its sequence number."""
+        ctl = self.ctx.control
+        seq = ctl.committed() + 1
+        forget, self.forget = self.forget, []
+        settle, self.settle = self.settle, None
+        self.inflight = _Inflight(seq, ctl.workers, forget, settle)
+        ctl.send(seq, (name, args, forget, settle))
+        self.commands_sent[name] = self.commands_sent.get(name, 0) + 1
+        return seq
+
+    def _collect_all(self, what):
+        inf = self.inflight
+        for r, reply in self.ctx.control.collect(inf.seq, list(inf.owed), what):
+            inf.replies[r] = reply
+            inf.owed.remove(r)
+        self.inflight = None
+        return inf.replies
+
+    def _finish_inflight(self, what):
+        """Finish the command an interruption left in flight: collect its replies (it is
+        never committed), or, if it never reached the workers, take back what it carried."""
+        inf = self.inflight
+        if inf is None:
+            return
+        ctl = self.ctx.control
+        if ctl.committed() != inf.seq:         # interrupted before the workers could see it
+            self.forget = inf.forget + self.forget
+            self.settle = inf.settle
+            self.inflight = None
+            return
+        self._collect_all(f"the interrupted previous command (before {what})")
+        self.settle = (inf.seq, False)
+
+    def execute(self, name, args=(), local=None, master_first=False, what=None):
+        """Run command ``name`` on every worker and ``local()`` in the master.
+
+        Returns ``(local_result, {rank: worker_result})``.  A worker exception is raised as
+        WorkerError after all ranks are idle again; a lost worker closes the session and
+        raises WorkerDied/WorkerStopped/StallTimeout.  With ``master_first`` the master
+        computes before the workers start (so that a JIT compile happens once and workers
+        load it from the cache).  What ``local()`` or the workers leave pending is dropped
+        unless the caller then calls ``commit``."""
+        what = what or name
+        ctx = self.ctx
+        local_result = local_exc = None
+        try:
+            self._finish_inflight(what)
+            self._check()
+            ctx.seq = ctx.control.committed() + 1
+            if master_first and local is not None:
+                with signals.command_scope():
+                    local_result = local()
+                local = None
+            if name != "call":
+                self.lengths.clear()          # a collective may change workers' lengths
+            if self.debug:
+                fp = fingerprint(ctx.seq, name, args, ctx.shareds)
+            seq = self._send(name, args)
+            self.settle = (seq, False)
+            if local is not None:
+                try:
+                    with signals.command_scope():
+                        local_result = local()
+                except (RankGone, StallTimeout):
+                    raise
+                except BaseException as e:
+                    ctx.control.abort(seq)     # workers leave their barriers and votes
+                    if _is_interrupt(e):
+                        raise
+                    local_exc = e
+            try:
+                replies = self._collect_all(what)
+            except (RankGone, StallTimeout):
+                raise
+            except BaseException:              # interrupted: collected by the next command
+                ctx.control.abort(seq)
+                raise
+        except RankGone as g:
+            self._close_after_loss()
+            raise self._lost(g, what) from None
+        except StallTimeout:
+            self._close_after_loss()
+            raise
+        except BaseException as e:
+            signals.restore_interrupt(e)
+            raise
+        errors = {r: rep[1] for r, rep in replies.items() if rep[0] == "err"}
+        if self.debug:
+            fps = {r: rep[2] if len(rep) > 2 else None for r, rep in replies.items()}
+            fps[self.rank] = fp
+            self.debug_log.append(fps)
+            try:
+                compare(self.rank, fps)
+            except DebugMismatch as e:
+                raise e from (WorkerError(errors, what) if errors else local_exc)
+        if isinstance(local_exc, Aborted) and errors:
+            local_exc = None            # the master only stopped because a worker failed
+        if local_exc is not None:
+            signals.restore_interrupt(local_exc)
+            if errors:
+                raise local_exc from WorkerError(errors, what)
+            raise local_exc
+        if errors:
+            raise WorkerError(errors, what)
+        return local_result, {r: rep[1] for r, rep in replies.items()}
+
+    def commit(self):
+        """Apply what the last command left pending, on every rank: here now, in the workers
+        when the next command arrives.  Called once the command fully succeeded."""
+        with signals.deferred():
+            if self.settle is not None and not self.settle[1]:
+                self.settle = (self.settle[0], True)
+                self.ctx.settle(self.settle)
+
+    def _close_after_loss(self):
+        try:
+            self.ctx.control.abort()
+        except Exception:
+            pass
+        self.shutdown(graceful=False)
+
+
+def _is_interrupt(e):
+    return isinstance(e, (KeyboardInterrupt, SystemExit, NestedCall)) or signals.as_interrupt(e) is not None
+
+
+class LengthCache:
+    """Every rank's lengths of sets of sliceable shared variables, as last read.  Workers'
+    lengths change only through synkhronos commands, so the cache is cleared by every
+    command that may change them."""
+
+    def __init__(self):
+        self._d = {}
+
+    def get(self, key):
+        return self._d.get(key)
+
+    def put(self, key, lengths):
+        self._d[key] = lengths
+
+    def clear(self):
+        self._d.clear()
+
+
+def get_session(require_distributed=False):
+    """The active session, or a RuntimeError saying what to call first."""
+    s = _session
+    if s is None or s.closed:
+        raise RuntimeError("synkhronos is not forked: call synk.fork() first")
+    s.check_usable(require_distributed)
+    return s
+
+
+def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
+         max_n_var=None, max_dim=None, timeout=None, debug=None, stall=None, start_timeout=120.0):
+    """Start one worker process per extra device; the master process is rank ``master_rank``.
+
+    ``n_parallel=None`` uses every usable device (CPU cores here); each process gets its
+    share of BLAS/numba threads.  ``use_gpu=None`` means GPUs if present, else CPU.
+    ``max_n_var`` and ``max_dim`` are accepted for compatibility and not needed (no fixed-size
+    buffers).  ``debug`` (default: env ``SYNK_DEBUG``) fingerprints every command on every
+    rank and reports the first rank that disagrees (see ``synkhronos.debug``).
+
+    Waiting for other ranks: a stopped or dead rank is reported at once; a wait longer than
+    ``stall`` seconds (default: env ``SYNK_STALL``, else 60; 0 disables) prints a warning
+    naming the ranks still owed; with ``timeout`` (default: env ``SYNK_TIMEOUT``, else none)
+    a wait that long raises ``StallTimeout`` and closes the session.  ``start_timeout``
+    bounds the workers' start-up.  Returns the number of ranks."""
+    global _session
+    if IN_WORKER:
+        raise RuntimeError("synk.fork() cannot be called inside a synkhronos worker")
+    if _session is not None and not _session.closed and _session.pid == os.getpid():
+        raise RuntimeError("synkhronos is already forked; call synk.close() before forking again")
+    stall = _seconds(stall, "stall", "SYNK_STALL", DEFAULT_STALL)
+    timeout = _seconds(timeout, "timeout", "SYNK_TIMEOUT", None)
+    device = select_device(n_parallel, use_gpu)
+    if isinstance(master_rank, bool) or not isinstance(master_rank, int) or not 0 <= master_rank < device.n:
+        raise ValueError(f"master_rank must be an int in [0, {device.n - 1}], got {master_rank!r}")
+    from .backends import local_backend
+    local_backend.reap()
+    s = Session(device, master_rank, profile_workers, debug_enabled(debug), stall, timeout)
+    _session = s
+    try:
+        s.start(start_timeout)
+    except BaseException:
+        _session = None
+        raise
+    _exit_on_termination(s)
+    print(f"Synkhronos: {device.describe()}, master rank {master_rank}.", flush=True)
+    return device.n
+
+
+def _seconds(value, name, env, default):
+    if value is None:
+        return env_seconds(env, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"{name} must be a non-negative number of seconds (0: none) or None, got {value!r}")
+    return float(value) or None
+
+
+def _exit_on_termination(s):
+    """SIGTERM/SIGHUP (a cancelled job, a closed terminal) would kill the master without
+    running close(); turn them into SystemExit so close() removes the workers and buffers.
+    Only default handlers are replaced, and they are restored by close()."""
+    saved = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                saved[sig] = signal.signal(sig, _raise_exit)
+        except ValueError:          # not the main thread: leave signals alone
+            pass
+    s.saved_signals = saved
+
+
+def _raise_exit(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    host: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """What ``synk.session_info()`` reports about the current session."""
+    open: bool
+    distributed: bool
+    n: int
+    master_rank: int
+    ranks: tuple            # RankInfo of every rank, the master's included
+    commands: dict          # command name -> how many the master sent so far
+    debug: bool
+    resources: dict         # what the session owns, e.g. {"shm_prefix": "/synk_…"}
+
+
+def session_info():
+    """A description of the current session (its ranks' hosts and processes, commands sent,
+    the names of its shared resources), or None when there is none.  For diagnostics."""
+    s = _session
+    if s is None or s.pid != os.getpid():
+        return None
+    ranks = [RankInfo(r, h, p) for r, h, p in s.launcher.info()]
+    ranks.append(RankInfo(s.rank, s.launcher.host, s.pid))
+    info = getattr(s, "info", None)
+    return SessionInfo(not s.closed, s.distributed, s.n, s.master_rank,
+                       tuple(sorted(ranks, key=lambda i: i.rank)), dict(s.commands_sent), s.debug,
+                       dict(info.resources) if info is not None else {})
+
+
+def debug_log():
+    """Fingerprints of every command so far ({rank: fingerprint} each), in debug mode."""
+    s = _session
+    return [] if s is None else list(s.debug_log)
+
+
+def close():
+    """Stop and join the workers and free every shared resource.  Runs at exit.
+
+    In a process forked from the session's (``os.fork``, multiprocessing), it does nothing:
+    the session is the parent's."""
+    s = _session
+    if s is not None and s.pid == os.getpid():
+        with s.lock:
+            s.shutdown(graceful=True)
+
+
+atexit.register(close)
