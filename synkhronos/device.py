@@ -34,8 +34,12 @@ class Device:
         """Number of devices of this kind on the machine (0 if none)."""
         raise NotImplementedError
 
-    def __init__(self, n):
+    def __init__(self, n, **settings):
         self.n = n
+
+    def config(self):
+        """What a worker needs to rebuild this device (json-able; ``kind`` names the class)."""
+        return {"kind": self.kind}
 
     # ---- processes -------------------------------------------------------------------------
     def worker_env(self, rank):
@@ -95,7 +99,7 @@ class CpuDevice(Device):
     def count():
         return usable_cores()
 
-    def __init__(self, n):
+    def __init__(self, n, **settings):
         super().__init__(n)
         self.cores = usable_cores()
         self.threads = max(1, self.cores // n)
@@ -143,7 +147,13 @@ class CpuDevice(Device):
         return f"{self.n} CPU ranks on {self.cores} usable cores, {self.threads} thread(s) each"
 
 
-DEVICES = {"cpu": CpuDevice}
+def _device_class(kind):
+    if kind == "cpu":
+        return CpuDevice
+    if kind == "jax":
+        from .backends.jax_device import JaxDevice
+        return JaxDevice
+    raise ValueError(f"unknown device kind {kind!r}")
 
 
 def gpu_count():
@@ -151,13 +161,31 @@ def gpu_count():
     return 0
 
 
-def make_device(kind, n):
-    """The device of ``kind`` for ``n`` ranks (used by workers to rebuild the master's)."""
-    return DEVICES[kind](n)
+def make_device(config, n):
+    """The device described by ``config`` (``Device.config()``) for ``n`` ranks: how a
+    worker rebuilds the master's."""
+    settings = dict(config)
+    return _device_class(settings.pop("kind"))(n, **settings)
 
 
-def select_device(n_parallel, use_gpu):
-    """Pick the backend and the number of ranks, validating the request in the master."""
+def _count_arg(n_parallel):
+    if n_parallel is None:
+        return None
+    if isinstance(n_parallel, (bool, np.bool_)) or not isinstance(n_parallel, (int, np.integer)):
+        raise TypeError(f"n_parallel must be a positive int or None, got {n_parallel!r}")
+    if n_parallel < 1:
+        raise ValueError(f"n_parallel must be at least 1, got {n_parallel}")
+    return int(n_parallel)
+
+
+def select_device(n_parallel, use_gpu, mode=None):
+    """Pick the device and the number of ranks, validating the request in the master.
+
+    ``mode``: PyTensor's compile mode for the ranks; None is numba on CPU cores, "JAX"
+    runs PyTensor's JAX backend (on the CPU unless GPUs are used)."""
+    n_parallel = _count_arg(n_parallel)
+    if mode is not None and (not isinstance(mode, str) or mode.upper() not in ("JAX", "NUMBA")):
+        raise ValueError(f"mode must be None, 'NUMBA' or 'JAX', got {mode!r}")
     if use_gpu is None:
         use_gpu = gpu_count() > 0
     if use_gpu:
@@ -166,11 +194,7 @@ def select_device(n_parallel, use_gpu):
                 "use_gpu=True but no GPU backend is available yet on this machine; "
                 "use use_gpu=None or False for CPU workers.")
         raise NotImplementedError("The GPU backend is not implemented yet.")
-    cls = CpuDevice
+    cls = _device_class("jax" if mode is not None and mode.upper() == "JAX" else "cpu")
     if n_parallel is None:
-        n_parallel = cls.count()
-    if isinstance(n_parallel, bool) or not isinstance(n_parallel, int):
-        raise TypeError(f"n_parallel must be a positive int or None, got {n_parallel!r}")
-    if n_parallel < 1:
-        raise ValueError(f"n_parallel must be at least 1, got {n_parallel}")
+        n_parallel = CpuDevice.count()
     return cls(n_parallel)

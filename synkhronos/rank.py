@@ -1,5 +1,27 @@
 """What one process holds to act as a rank, master or worker: its device, control and comm
-planes, and the shared variables and functions every rank holds in the same order."""
+planes, and the shared variables and functions every rank holds in the same order.
+
+``current()`` is the rank this process is acting as while it runs its share of a command
+(always, in a worker; in the master only inside a command), else None: code that runs
+inside compiled graphs (collective ops) uses it to reach the comm plane."""
+from contextlib import contextmanager
+
+_current = None
+
+
+def current():
+    """The ``Rank`` this process is acting as right now, or None (plain PyTensor use)."""
+    return _current
+
+
+@contextmanager
+def acting_as(rank):
+    global _current
+    saved, _current = _current, rank
+    try:
+        yield rank
+    finally:
+        _current = saved
 class Rank:
     def __init__(self, rank, n, master_rank, device, control, comm):
         self.rank, self.n, self.master_rank = rank, n, master_rank

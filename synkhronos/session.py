@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from . import signals
+import numpy as np
+
 from .control import DEFAULT_STALL, Waiter, env_seconds
 from .debug import DebugMismatch, compare, fingerprint
 from .debug import enabled as debug_enabled
@@ -25,7 +27,7 @@ from .device import select_device
 from .errors import (Aborted, ForeignSession, StallTimeout, SynkError, WorkerDied,
                      WorkerError, WorkerStopped)
 from .launcher import RankGone, SubprocessLauncher
-from .rank import Rank
+from .rank import Rank, acting_as
 
 _session = None
 IN_WORKER = False  # set by synkhronos.worker
@@ -85,7 +87,7 @@ class Session:
         self.ctx = Rank(self.rank, self.n, self.master_rank, self.device, self.info.control, self.info.comm)
         pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         cfg = dict(self.info.worker_config, n=self.n, master_rank=self.master_rank, master_pid=self.pid,
-                   device=self.device.kind, sys_path=[p for p in sys.path if p],
+                   device=self.device.config(), sys_path=[p for p in sys.path if p],
                    profile=self.profile_workers, debug=self.debug, stall=self.waiter.stall,
                    timeout=self.waiter.timeout)
 
@@ -255,7 +257,7 @@ class Session:
             self._check()
             ctx.seq = ctx.control.committed() + 1
             if master_first and local is not None:
-                with signals.command_scope():
+                with signals.command_scope(), acting_as(ctx):
                     local_result = local()
                 local = None
             if name != "call":
@@ -266,7 +268,7 @@ class Session:
             self.settle = (seq, False)
             if local is not None:
                 try:
-                    with signals.command_scope():
+                    with signals.command_scope(), acting_as(ctx):
                         local_result = local()
                 except (RankGone, StallTimeout):
                     raise
@@ -359,7 +361,8 @@ def get_session(require_distributed=False):
 
 
 def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
-         max_n_var=None, max_dim=None, timeout=None, debug=None, stall=None, start_timeout=120.0):
+         max_n_var=None, max_dim=None, timeout=None, debug=None, stall=None, mode=None,
+         start_timeout=120.0):
     """Start one worker process per extra device; the master process is rank ``master_rank``.
 
     ``n_parallel=None`` uses every usable device (CPU cores here); each process gets its
@@ -372,7 +375,9 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
     ``stall`` seconds (default: env ``SYNK_STALL``, else 60; 0 disables) prints a warning
     naming the ranks still owed; with ``timeout`` (default: env ``SYNK_TIMEOUT``, else none)
     a wait that long raises ``StallTimeout`` and closes the session.  ``start_timeout``
-    bounds the workers' start-up.  Returns the number of ranks."""
+    bounds the workers' start-up.  ``mode`` (default: env ``SYNK_MODE``): PyTensor's
+    compile mode for the ranks, None (numba) or "JAX"; GPUs always use JAX.
+    Returns the number of ranks."""
     global _session
     if IN_WORKER:
         raise RuntimeError("synk.fork() cannot be called inside a synkhronos worker")
@@ -380,9 +385,13 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
         raise RuntimeError("synkhronos is already forked; call synk.close() before forking again")
     stall = _seconds(stall, "stall", "SYNK_STALL", DEFAULT_STALL)
     timeout = _seconds(timeout, "timeout", "SYNK_TIMEOUT", None)
-    device = select_device(n_parallel, use_gpu)
-    if isinstance(master_rank, bool) or not isinstance(master_rank, int) or not 0 <= master_rank < device.n:
+    if mode is None:
+        mode = os.environ.get("SYNK_MODE") or None
+    device = select_device(n_parallel, use_gpu, mode)
+    if isinstance(master_rank, (bool, np.bool_)) or not isinstance(master_rank, (int, np.integer)) \
+            or not 0 <= master_rank < device.n:
         raise ValueError(f"master_rank must be an int in [0, {device.n - 1}], got {master_rank!r}")
+    master_rank = int(master_rank)
     from .backends import local_backend
     local_backend.reap()
     s = Session(device, master_rank, profile_workers, debug_enabled(debug), stall, timeout)

@@ -20,6 +20,7 @@ from .debug import fingerprint
 from .device import make_device
 from .errors import Aborted, MasterDied
 from .launcher import master_watch
+from . import rank as rank_module
 from .rank import Rank
 
 
@@ -38,6 +39,7 @@ def serve(cfg):
         device = make_device(cfg["device"], cfg["n"])
         device.init_worker(rank)
         ctx = Rank(rank, cfg["n"], cfg["master_rank"], device, control, comm)
+        rank_module.acting_as(ctx).__enter__()        # a worker always acts as its rank
         from . import function, rankops  # noqa: F401  (register their commands)
         import pytensor  # noqa: F401  (import before the first command, not during it)
         control.reply(0, ("ok", os.getpid()))
