@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh test docs demos) and run the test suite. Extra args go to
 # pytest. Slow tests are deselected unless -m is given or SYNK_SLOW=1.
-# Leftover /dev/shm/synk* segments or synkhronos.worker processes fail the run.
+# Shared memory or processes left behind by the sessions of this run fail it.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,6 +21,12 @@ if [[ $have_m -eq 0 && "${SYNK_SLOW:-0}" != "1" ]]; then
     args=(-m "not slow" "${args[@]}")
 fi
 
+# every session this run makes (here and in the programs it starts) logs its prefix here,
+# so that the leak check below looks at this run only, not at other programs of this user
+SYNK_PREFIX_LOG="$(mktemp -t synk-test-prefixes.XXXXXXXX)"
+export SYNK_PREFIX_LOG
+trap 'rm -f "$SYNK_PREFIX_LOG"' EXIT
+
 rc=0
 .venv/bin/python -m pytest "${args[@]}" || rc=$?
 if [[ $rc -eq 5 ]]; then
@@ -28,21 +34,7 @@ if [[ $rc -eq 5 ]]; then
     rc=1
 fi
 
-leak=0
-shm="$(find /dev/shm -maxdepth 1 \( -name 'synk*' -o -name 'sem.synk*' \) -user "$(id -u)" 2>/dev/null || true)"
-if [[ -n "$shm" ]]; then
-    echo "synkhronos test: leaked shared memory entries:" >&2
-    ls -l $shm >&2 || true
-    leak=1
-fi
-procs="$(pgrep -a -u "$(id -u)" -f 'synkhronos\.worker' 2>/dev/null || true)"
-if [[ -n "$procs" ]]; then
-    echo "synkhronos test: leftover worker processes:" >&2
-    echo "$procs" >&2
-    leak=1
-fi
-
-if [[ $leak -ne 0 ]]; then
+if ! .venv/bin/python scripts/leakcheck.py "$SYNK_PREFIX_LOG"; then
     echo "synkhronos test: resource leak detected -- failing" >&2
     exit 1
 fi

@@ -19,6 +19,14 @@ from .collectives import (broadcast, scatter, gather, all_gather, reduce, all_re
 
 _sys.setrecursionlimit(max(_sys.getrecursionlimit(), 50000))
 
+
+def __getattr__(name):
+    """``synkhronos.ops`` (in-graph collectives) imports PyTensor: loaded on first use."""
+    if name == "ops":
+        import importlib
+        return importlib.import_module(".ops", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __version__ = "0.1.0"
 __all__ = ["fork", "close", "data", "Data", "function", "distribute", "Function",
            "broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",

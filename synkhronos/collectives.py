@@ -16,7 +16,7 @@ import numpy as np
 from . import rankops, shards, signals
 from .data import Data, condition
 from .plans import ArrayRef, Rows, ScatterPlan, SetValuePlan
-from .rank import acting_as
+from .rank import run_share
 from .reductions import OPS, check_mode
 from .session import get_session
 
@@ -126,8 +126,10 @@ def _exec(rt, op, vids, args=(), local_args=None, what=None):
     largs = args if local_args is None else local_args
     local = lambda: rankops.OPS[op](ctx, vids, *largs)  # noqa: E731
     if rt.n == 1:
-        with signals.command_scope(), acting_as(ctx):
-            return local(), {}
+        try:
+            return run_share(ctx, local), {}
+        finally:
+            signals.release()
     return rt.execute("coll", (op, vids, args), local, what=what or op)
 
 

@@ -8,7 +8,8 @@ Verbs (each takes a list of items, so that several arrays share one synchronisat
 ``broadcast``      every rank gets the root's array
 ``all_gatherv``    every rank gets the concatenation (axis 0, rank order) of all arrays
 ``gatherv``        the root gets every rank's array, exactly as each rank holds it
-``reduce_scatter`` rank r gets block r (axis 0, near-equal blocks) of the reduction
+``reduce_scatter`` rank r gets block r (axis 0: near-equal blocks, or ``counts[r]`` rows)
+                   of the reduction
 ``shapes``         every rank learns every rank's shape of each item
 ``barrier``        all ranks meet
 =================  ==========================================================================
@@ -60,7 +61,10 @@ class Comm:
         """Returns, on ``root``, a list per item of every rank's array (copies); else None."""
         raise NotImplementedError
 
-    def reduce_scatter(self, items, op, fence=True):
+    def reduce_scatter(self, items, op, fence=True, counts=None):
+        """Rank r gets its block of rows of the reduction of each item (new arrays).
+        ``counts``: None, or one entry per item: None (near-equal blocks, rows
+        ``r*N//n`` to ``(r+1)*N//n``) or the rows of each rank (the same on every rank)."""
         raise NotImplementedError
 
     def shapes(self, shapes):

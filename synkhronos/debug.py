@@ -33,8 +33,8 @@ def fingerprint(seq, name, args, shareds):
             items.append((str(np.dtype(val.dtype)), tuple(np.shape(val))))
         return (seq, name, op, tuple(items))
     if name == "call":
-        plan = args[0]
-        return (seq, name, plan.fid, tuple((np.dtype(r.dtype).name, tuple(r.shape[1:])) for r in plan.inputs))
+        fid, inputs = args[0][0], args[0][1]          # a CallPlan on the wire: (fid, ArrayRefs, …)
+        return (seq, name, fid, tuple((np.dtype(r[1]).name, tuple(r[2][1:])) for r in inputs))
     return (seq, name, None, ())
 
 

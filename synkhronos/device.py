@@ -5,9 +5,11 @@ started (its environment), how functions are compiled for it, where a shared var
 value lives (``get``/``set`` its storage, without copies) and how arrays move between the
 host and the device.  ``placement`` tells the comm plane where arrays live.
 
-Implementations: ``CpuDevice`` (CPU cores; PyTensor's default backend, numba).  A GPU
-device (PyTensor's JAX backend, one GPU per rank) implements the same interface."""
+Implementations: ``CpuDevice`` (CPU cores; PyTensor's default backend, numba) and
+``backends.jax_device.JaxDevice`` (PyTensor's JAX backend: one GPU per rank, or the CPU)."""
 import os
+import shutil
+import subprocess
 
 import numpy as np
 
@@ -83,8 +85,15 @@ class Device:
         return np.asarray(arr)
 
     def to_device(self, arr):
-        """``arr`` as an array of this device."""
+        """``arr`` as an array of this device (host memory it came from may be reused at once:
+        a device array never aliases it)."""
         return arr
+
+    def combine(self, mode, parts, weights=None):
+        """``reductions.combine`` of arrays of this device, into an array of this device
+        (a call's ``num_slices`` partial updates)."""
+        from .reductions import combine
+        return combine(mode, parts, weights)
 
     def describe(self):
         return f"{self.n} {self.kind} rank(s)"
@@ -156,9 +165,72 @@ def _device_class(kind):
     raise ValueError(f"unknown device kind {kind!r}")
 
 
+GPU_EXTRA = "pip install 'synkhronos[gpu]'  (JAX with its CUDA 12 wheels: jax[cuda12])"
+
+
+def visible_gpus():
+    """The GPUs this process may use, as the ids a worker's ``CUDA_VISIBLE_DEVICES`` takes,
+    found without initialising CUDA here: ``CUDA_VISIBLE_DEVICES`` when set, else the
+    driver's ``/proc/driver/nvidia/gpus``, else ``nvidia-smi -L``.  Empty when none."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        ids = []
+        for tok in env.split(","):
+            tok = tok.strip()
+            if not tok:
+                break
+            if tok.lstrip("-").isdigit() and int(tok) < 0:
+                break                    # CUDA stops at the first invalid entry
+            ids.append(tok)
+        return ids
+    n = _driver_gpu_count()
+    return [str(i) for i in range(n)]
+
+
+def _driver_gpu_count():
+    try:
+        return len([e for e in os.listdir("/proc/driver/nvidia/gpus") if not e.startswith(".")])
+    except OSError:
+        pass
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def gpu_backend_missing():
+    """None when JAX with CUDA support is installed, else what is missing (no import of
+    JAX, no CUDA initialisation)."""
+    import importlib.util
+
+    def have(mod):
+        try:
+            return importlib.util.find_spec(mod) is not None
+        except (ImportError, ValueError):
+            return False
+    if not have("jax") or not have("jaxlib"):
+        return "JAX is not installed"
+    if not (have("jax_cuda12_plugin") or have("jax_plugins.xla_cuda12") or have("jax_cuda13_plugin")
+            or have("jax_plugins.xla_cuda13")):
+        return "JAX is installed without its CUDA plugin (jax[cuda12])"
+    return None
+
+
 def gpu_count():
-    """Number of GPUs usable by the GPU backend; 0 when it is not installed."""
-    return 0
+    """Number of GPUs the GPU backend can use: the visible GPUs, or 0 when there are none or
+    the backend (JAX with CUDA) is not installed.  Never initialises CUDA."""
+    if gpu_backend_missing() is not None:
+        return 0
+    return len(visible_gpus())
+
+
+def get_n_gpu():
+    """Number of GPUs synkhronos can use on this machine (``gpu_count``)."""
+    return gpu_count()
 
 
 def make_device(config, n):
@@ -186,15 +258,51 @@ def select_device(n_parallel, use_gpu, mode=None):
     n_parallel = _count_arg(n_parallel)
     if mode is not None and (not isinstance(mode, str) or mode.upper() not in ("JAX", "NUMBA")):
         raise ValueError(f"mode must be None, 'NUMBA' or 'JAX', got {mode!r}")
+    jax_mode = mode is not None and mode.upper() == "JAX"
     if use_gpu is None:
-        use_gpu = gpu_count() > 0
+        use_gpu = gpu_count() > 0 and (mode is None or jax_mode)
     if use_gpu:
-        if gpu_count() == 0:
-            raise NotImplementedError(
-                "use_gpu=True but no GPU backend is available yet on this machine; "
-                "use use_gpu=None or False for CPU workers.")
-        raise NotImplementedError("The GPU backend is not implemented yet.")
-    cls = _device_class("jax" if mode is not None and mode.upper() == "JAX" else "cpu")
+        if mode is not None and not jax_mode:
+            raise ValueError(f"use_gpu=True runs PyTensor's JAX backend on the GPUs; mode={mode!r} cannot "
+                             "run there (leave mode unset or use 'JAX')")
+        return _gpu_device(n_parallel)
+    cls = _device_class("jax" if jax_mode else "cpu")
     if n_parallel is None:
         n_parallel = CpuDevice.count()
     return cls(n_parallel)
+
+
+def _gpu_device(n_parallel):
+    """The GPU device for ``n_parallel`` ranks (one GPU each), or an error saying what is
+    missing and how to get it."""
+    gpus = visible_gpus()
+    missing = gpu_backend_missing()
+    problems = []
+    if not gpus:
+        env = os.environ.get("CUDA_VISIBLE_DEVICES")
+        problems.append("no GPU is visible" + (f" (CUDA_VISIBLE_DEVICES={env!r})" if env is not None else
+                                               " (no NVIDIA driver: /proc/driver/nvidia/gpus and "
+                                               "nvidia-smi found none)"))
+    if missing:
+        problems.append(f"{missing}; install the GPU extra: {GPU_EXTRA}")
+    if problems:
+        raise RuntimeError("use_gpu=True but " + " and ".join(problems) +
+                           ". Use use_gpu=None or False for CPU ranks.")
+    ranks = os.environ.get("SYNK_GPUS")
+    if ranks:                  # explicit GPU per rank (may repeat: then collectives go through the host)
+        chosen = [t.strip() for t in ranks.split(",") if t.strip()]
+        unknown = [g for g in chosen if g not in gpus]
+        if unknown:
+            raise ValueError(f"SYNK_GPUS={ranks!r} names GPU(s) {unknown} that are not visible; visible: "
+                             f"{gpus}")
+        if n_parallel is not None and n_parallel != len(chosen):
+            raise ValueError(f"n_parallel={n_parallel} but SYNK_GPUS={ranks!r} gives {len(chosen)} rank(s)")
+    else:
+        n = len(gpus) if n_parallel is None else n_parallel
+        if n > len(gpus):
+            raise ValueError(f"n_parallel={n} asks for {n} GPUs (one per rank) but {len(gpus)} "
+                             f"{'is' if len(gpus) == 1 else 'are'} visible ({', '.join(gpus)}"
+                             f"{'; CUDA_VISIBLE_DEVICES limits them' if 'CUDA_VISIBLE_DEVICES' in os.environ else ''}). "
+                             f"Use n_parallel <= {len(gpus)}, or use_gpu=False for CPU ranks.")
+        chosen = gpus[:n]
+    return _device_class("jax")(len(chosen), platform="gpu", gpus=chosen, visible=gpus)

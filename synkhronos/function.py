@@ -20,7 +20,7 @@ import numpy as np
 from . import shards
 from .commands import worker_command
 from .data import Data, condition
-from .plans import CallPlan, Rows
+from .plans import CallPlan, Rows, call_from_wire, call_to_wire
 from .progress import busy
 from .reductions import OUTPUT_MODES, check_mode, combine
 from .replica import Replica
@@ -125,6 +125,7 @@ class Function:
         self._allow_downcast = bool(kwargs.get("allow_input_downcast"))
         all_out = out_vars + [u for _, u, _ in ups]
         device = rt.device
+        self._collective = _check_collectives(all_out, givens, kwargs.get("mode"), device)
         f = device.compile(self._all_inputs, all_out, givens=givens, **kwargs)
         shared_of_f = f.get_shared()
         missing = [v for v in sliceable if not any(v is s for s in shared_of_f)]
@@ -136,6 +137,9 @@ class Function:
             idx = pt.lvector("synk_batch_s_idx")
             f_s = device.compile(self._all_inputs + [idx], all_out, givens=_sliced_givens(givens, sliceable, idx),
                                  **kwargs)
+        if self._collective:      # rewrites may have removed them: then no constraint
+            from .ops import uses_collectives
+            self._collective = any(uses_collectives(fn.maker.fgraph.outputs) for fn in (f, f_s) if fn is not None)
         self._sliceable = sliceable
         self._updates_sliceable = False     # set by distribute()
         self._replica = Replica(len(rt.functions), f, f_s, len(self._inputs), len(self._bcast), len(out_vars),
@@ -307,8 +311,10 @@ class Function:
                 raise ValueError(f"minibatch inputs of lengths {mb_len} are shorter than the batch ({total} rows)")
         else:
             bounds = (0,) * (n + 1)
-        if self._sliceable and (sel_s is not None or num_slices > 1 or ns):
-            self._check_sliceable(sel_s, bounds if ns else None)
+        if self._sliceable and (sel_s is not None or num_slices > 1 or ns or self._collective):
+            self._check_sliceable(sel_s, bounds if ns else None, num_slices)
+        if self._collective and ns:
+            _check_collective_rows([bounds[r + 1] - bounds[r] for r in range(n)], num_slices)
         send = self._send_mask(wanted, self._master_has_rows(ns, bounds, sel_s))
         plan = CallPlan(self._replica.fid, tuple(d._ref() for d in datas), Rows(kind, bounds, base, idx_ref, mbs),
                         sel_s, num_slices, send)
@@ -333,16 +339,19 @@ class Function:
         variant = self._variant(plan)
         bounds = plan.rows.bounds
         master_first = variant not in self._warm and (total is None or bounds[me + 1] > bounds[me])
+        if self._collective:     # in-graph collectives meet the other ranks: all start together
+            master_first = False
         what = f"call of function {self.name or replica.fid}"
+        args = (call_to_wire(plan),)
         if variant in self._warm:
-            mine, theirs = rt.execute("call", (plan,), local, master_first, what=what)
+            mine, theirs = rt.execute("call", args, local, master_first, what=what)
         else:                    # the first call compiles (numba JIT: up to a minute): say so
             with busy(f"synkhronos: first {what}: compiling (JIT) or loading it from the cache"):
-                mine, theirs = rt.execute("call", (plan,), local, master_first, what=what)
+                mine, theirs = rt.execute("call", args, local, master_first, what=what)
         self._warm.add(variant)
         return mine, theirs, arrays
 
-    def _check_sliceable(self, sel_s, bounds):
+    def _check_sliceable(self, sel_s, bounds, num_slices=1):
         """Check batch_s against every rank's sliceable-shared lengths, in the master."""
         rt = self._rt
         key = tuple(rt.shared_ids[id(v)] for v in self._sliceable)
@@ -354,6 +363,7 @@ class Function:
             rt.lengths.put(key, lens)
         lens = [list(l) for l in lens]
         lens[rt.rank] = [len(rt.device.get(v)) for v in self._sliceable]   # master may set_value locally
+        rows_of = []
         for r in range(rt.n):
             sel = None if sel_s is None else sel_s[r]
             if sel is None and len(set(lens[r])) > 1:
@@ -363,13 +373,16 @@ class Function:
             if sel is not None and shards.sel_max(sel) > top:
                 raise IndexError(f"batch_s selects row {shards.sel_max(sel) - 1} on rank {r}, but its "
                                  f"sliceable shareds have only {top} rows")
+            rows_of.append(top if sel is None else shards.sel_length(sel, top))
             if bounds is not None:
                 rows = bounds[r + 1] - bounds[r]
-                srows = top if sel is None else shards.sel_length(sel, top)
+                srows = rows_of[-1]
                 if rows != srows:
                     raise ValueError(f"rank {r}: the scattered inputs give {rows} rows but the sliceable "
                                      f"shareds give {srows}; their per-rank lengths must agree "
                                      "(use batch / batch_s to select matching rows)")
+        if self._collective and bounds is None:
+            _check_collective_rows(rows_of, num_slices)
 
     def _subset(self, output_subset):
         if output_subset is None:
@@ -521,14 +534,46 @@ def distribute():
         ctx.shareds = shareds
         ctx.replicas = replicas
         rt.shared_ids = {id(v): i for i, v in enumerate(shareds)}
-        ctx.comm.setup(len(shareds), _names(shareds))   # before the workers attach to what it creates
-        rt.execute("distribute", (payload, len(shareds)), what="distribute")
+        n_keys = len(shareds) + _reserved_keys()        # keys of in-graph collectives after the shareds'
+        ctx.comm.setup(n_keys, _names(shareds))   # before the workers attach to what it creates
+        rt.execute("distribute", (payload, n_keys), what="distribute")
         rt.distributed = True
         print(f"...distribution complete ({time.perf_counter() - t0:.1f} s).", flush=True)
 
 
 def _names(shareds):
-    return {i: str(v) for i, v in enumerate(shareds)}
+    from .ops import reserved_names
+    return {i: str(v) for i, v in enumerate(shareds)} | reserved_names(len(shareds))
+
+
+def _reserved_keys():
+    """Comm keys for in-graph collectives, after the shared variables' (``synkhronos.ops``
+    needs PyTensor, which a session that made functions has imported anyway)."""
+    from .ops import RESERVED_KEYS
+    return RESERVED_KEYS
+
+
+def _check_collectives(outputs, givens, mode, device):
+    """Whether the graph holds in-graph collectives (``synkhronos.ops``); TypeError, saying
+    why, where they cannot run (``mode="JAX"``, a device off the host)."""
+    if "synkhronos.ops" not in sys.modules:      # no collective can have been built
+        return False
+    ops = sys.modules["synkhronos.ops"]
+    g = list(givens.values()) if isinstance(givens, dict) else [v for _, v in (givens or [])]
+    if not ops.uses_collectives(list(outputs) + g):
+        return False
+    ops.check_backend(mode, device)
+    return True
+
+
+def _check_collective_rows(rows, num_slices):
+    """In-graph collectives need every rank to run its graph the same number of times."""
+    need = max(1, num_slices)
+    if min(rows) < need:
+        raise ValueError(f"this function holds in-graph collectives (synkhronos.ops), which every rank "
+                         f"must run, {need} time(s) per call (num_slices); but the ranks get {list(rows)} "
+                         f"rows (by rank). Give at least {need * len(rows)} rows, spread so that every "
+                         "rank has at least num_slices of them.")
 
 
 # ------------------------------------------------------------------------------------------
@@ -547,7 +592,8 @@ def _w_distribute(ctx, payload, n_keys):
 
 
 @worker_command("call")
-def _w_call(ctx, plan):
+def _w_call(ctx, wire):
+    plan = call_from_wire(wire)
     replica = ctx.replicas[plan.fid]
     scat, bcast = ctx.control.inputs(plan.inputs, replica.n_scatter, plan.rows, ctx.rank)
     return replica.run(ctx, scat, bcast, plan)

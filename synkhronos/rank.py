@@ -4,8 +4,6 @@ planes, and the shared variables and functions every rank holds in the same orde
 ``current()`` is the rank this process is acting as while it runs its share of a command
 (always, in a worker; in the master only inside a command), else None: code that runs
 inside compiled graphs (collective ops) uses it to reach the comm plane."""
-from contextlib import contextmanager
-
 _current = None
 
 
@@ -14,14 +12,22 @@ def current():
     return _current
 
 
-@contextmanager
-def acting_as(rank):
+def run_share(rank, fn):
+    """Run ``fn()`` (this rank's share of a command) acting as ``rank``.  Signals held by a
+    commit inside it stay held until the caller's ``signals.release()`` (the end of the
+    command: a committed command is finished on every rank before an interrupt lands)."""
     global _current
     saved, _current = _current, rank
     try:
-        yield rank
+        return fn()
     finally:
         _current = saved
+
+
+def become(rank):
+    """Act as ``rank`` from now on (a worker process)."""
+    global _current
+    _current = rank
 class Rank:
     def __init__(self, rank, n, master_rank, device, control, comm):
         self.rank, self.n, self.master_rank = rank, n, master_rank

@@ -14,7 +14,6 @@ import os
 import signal
 import sys
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from . import signals
@@ -27,7 +26,7 @@ from .device import select_device
 from .errors import (Aborted, ForeignSession, StallTimeout, SynkError, WorkerDied,
                      WorkerError, WorkerStopped)
 from .launcher import RankGone, SubprocessLauncher
-from .rank import Rank, acting_as
+from .rank import Rank, run_share
 
 _session = None
 IN_WORKER = False  # set by synkhronos.worker
@@ -35,6 +34,33 @@ IN_WORKER = False  # set by synkhronos.worker
 
 class NestedCall(SynkError):
     """synkhronos was used while another of its calls was in progress on the same thread."""
+
+
+class _ApiScope:
+    __slots__ = ("s", "require_distributed")
+
+    def __init__(self, s, require_distributed):
+        self.s, self.require_distributed = s, require_distributed
+
+    def __enter__(self):
+        s = self.s
+        s.lock.acquire()
+        try:
+            if s._depth and s._owner == threading.get_ident():
+                raise NestedCall("synkhronos was called while another synkhronos call is in progress on "
+                                 "this thread (from a signal handler or a callback?); the outer call is "
+                                 "interrupted. Call synkhronos outside of signal handlers.")
+            s.check_usable(self.require_distributed)
+        except BaseException:
+            s.lock.release()
+            raise
+        s._depth += 1
+        s._owner = threading.get_ident()
+        return s
+
+    def __exit__(self, *exc):
+        self.s._depth -= 1
+        self.s.lock.release()
 
 
 class _Inflight:
@@ -163,6 +189,7 @@ class Session:
                 pass
         self.launcher.stop(graceful)
         self.device.release_master()
+        signals.unwrap()
         for sig, handler in self.saved_signals.items():
             try:
                 if signal.getsignal(sig) is _raise_exit:
@@ -178,22 +205,11 @@ class Session:
             _session = None
 
     # ---- entering the API ------------------------------------------------------------------
-    @contextmanager
     def api(self, require_distributed=False):
-        """Entered by every public call: one call at a time; a call made from a signal
-        handler or callback while another call of this thread is in progress is refused."""
-        with self.lock:
-            if self._depth and self._owner == threading.get_ident():
-                raise NestedCall("synkhronos was called while another synkhronos call is in progress on "
-                                 "this thread (from a signal handler or a callback?); the outer call is "
-                                 "interrupted. Call synkhronos outside of signal handlers.")
-            self.check_usable(require_distributed)
-            self._depth += 1
-            self._owner = threading.get_ident()
-            try:
-                yield self
-            finally:
-                self._depth -= 1
+        """Entered by every public call (``with session.api(): ...``): one call at a time; a
+        call made from a signal handler or callback while another call of this thread is in
+        progress is refused."""
+        return _ApiScope(self, require_distributed)
 
     def check_usable(self, require_distributed=False):
         if os.getpid() != self.pid:
@@ -257,8 +273,10 @@ class Session:
             self._check()
             ctx.seq = ctx.control.committed() + 1
             if master_first and local is not None:
-                with signals.command_scope(), acting_as(ctx):
-                    local_result = local()
+                # the first call compiles: a Ctrl-C inside LLVM can crash the process, so
+                # signals wait until the compile is done (``busy`` shows that it is alive)
+                with signals.deferred():
+                    local_result = run_share(ctx, local)
                 local = None
             if name != "call":
                 self.lengths.clear()          # a collective may change workers' lengths
@@ -268,8 +286,7 @@ class Session:
             self.settle = (seq, False)
             if local is not None:
                 try:
-                    with signals.command_scope(), acting_as(ctx):
-                        local_result = local()
+                    local_result = run_share(ctx, local)
                 except (RankGone, StallTimeout):
                     raise
                 except BaseException as e:
@@ -286,13 +303,17 @@ class Session:
                 raise
         except RankGone as g:
             self._close_after_loss()
+            signals.release()
             raise self._lost(g, what) from None
         except StallTimeout:
             self._close_after_loss()
+            signals.release()
             raise
         except BaseException as e:
+            signals.release()
             signals.restore_interrupt(e)
             raise
+        signals.release()            # held since a commit: the command is complete everywhere
         errors = {r: rep[1] for r, rep in replies.items() if rep[0] == "err"}
         if self.debug:
             fps = {r: rep[2] if len(rep) > 2 else None for r, rep in replies.items()}
@@ -316,10 +337,15 @@ class Session:
     def commit(self):
         """Apply what the last command left pending, on every rank: here now, in the workers
         when the next command arrives.  Called once the command fully succeeded."""
+        settle = self.settle
+        if settle is None or settle[1]:
+            return
+        if self.ctx.pending is None:
+            self.settle = (settle[0], True)          # one assignment: nothing to split
+            return
         with signals.deferred():
-            if self.settle is not None and not self.settle[1]:
-                self.settle = (self.settle[0], True)
-                self.ctx.settle(self.settle)
+            self.settle = (settle[0], True)
+            self.ctx.settle(self.settle)
 
     def _close_after_loss(self):
         try:

@@ -1,48 +1,107 @@
-"""Signals: windows that a signal must not split, and interrupts that must stay interrupts."""
+"""Signals: windows that a signal must not split, and interrupts that must stay interrupts.
+
+Python runs a signal's handler in the main thread at its next check of the interpreter,
+whichever thread the OS delivered the signal to (a Ctrl-C from a terminal goes to the whole
+process; any thread may take it), so blocking signals in one thread cannot stop a handler
+from raising in the middle of a decision.  Instead, while a window is held, the Python
+handlers of the signals that interrupt programs (``WATCHED``) only record the signal; the
+recorded handlers run, and may raise, when the window ends."""
 import signal
 import threading
-from contextlib import contextmanager
 
-_SYNCHRONOUS = {getattr(signal, n) for n in ("SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE",
-                                              "SIGILL", "SIGTRAP", "SIGSYS", "SIGABRT") if hasattr(signal, n)}
-_DEFERRABLE = set(signal.valid_signals()) - _SYNCHRONOUS
+try:
+    from _signal import getsignal as _getsignal       # the C function: no enum conversion
+except ImportError:       # pragma: no cover
+    _getsignal = signal.getsignal
 
-
-@contextmanager
-def deferred():
-    """Hold asynchronous signals (Ctrl-C, SIGTERM, timers …) until the block ends, so that
-    a decision and the bookkeeping that records it happen together or not at all."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRABLE)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
+WATCHED = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGALRM", "SIGUSR1", "SIGUSR2",
+                                             "SIGVTALRM") if hasattr(signal, n))
+_main = threading.main_thread()
+_depth = 0           # windows open in the main thread
+_pending = []        # (handler, signum) recorded while a window was open
 _state = threading.local()
 
 
+class _Deferring:
+    """A Python signal handler that waits while a window is open."""
+
+    __slots__ = ("inner",)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, signum, frame):
+        if _depth:
+            _pending.append((self.inner, signum))
+            return None
+        return self.inner(signum, frame)
+
+
+def _wrap():
+    for sig in WATCHED:
+        h = _getsignal(sig)
+        if callable(h) and not isinstance(h, _Deferring):
+            signal.signal(sig, _Deferring(h))
+
+
+def unwrap():
+    """Give back the handlers as they were (the session closes)."""
+    if threading.current_thread() is not _main:
+        return
+    for sig in WATCHED:
+        h = _getsignal(sig)
+        if isinstance(h, _Deferring):
+            signal.signal(sig, h.inner)
+
+
+def _open():
+    """Open a window; False when there is nothing to hold (not the main thread, whose
+    handlers never interrupt this thread)."""
+    global _depth
+    if threading.current_thread() is not _main:
+        return False
+    _wrap()
+    _depth += 1
+    return True
+
+
+def _close():
+    global _depth
+    _depth -= 1
+    if _depth == 0 and _pending:
+        todo = list(_pending)
+        _pending.clear()
+        for inner, signum in todo:       # may raise: the window is over
+            if callable(inner):
+                inner(signum, None)
+
+
+class deferred:
+    """A window: signals that arrive inside the block are handled when it ends, so that a
+    decision and the bookkeeping that records it happen together or not at all."""
+
+    __slots__ = ("on",)
+
+    def __enter__(self):
+        self.on = _open()
+        return self
+
+    def __exit__(self, *exc):
+        if self.on:
+            _close()
+
+
 def hold():
-    """Hold asynchronous signals from now until ``release()`` (the end of the command
-    scope): once a rank has committed to a change, the master finishes applying it."""
-    if getattr(_state, "old", None) is None:
-        _state.old = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRABLE)
+    """Open a window until ``release()`` (the end of the command): once a rank has
+    committed to a change, the master finishes applying it before an interrupt lands."""
+    if not getattr(_state, "held", False):
+        _state.held = _open()
 
 
 def release():
-    old = getattr(_state, "old", None)
-    if old is not None:
-        _state.old = None
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
-@contextmanager
-def command_scope():
-    """Signals held by ``hold()`` inside the block are delivered when it ends."""
-    try:
-        yield
-    finally:
-        release()
+    if getattr(_state, "held", False):
+        _state.held = False
+        _close()
 
 
 def as_interrupt(exc):

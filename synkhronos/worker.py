@@ -39,7 +39,7 @@ def serve(cfg):
         device = make_device(cfg["device"], cfg["n"])
         device.init_worker(rank)
         ctx = Rank(rank, cfg["n"], cfg["master_rank"], device, control, comm)
-        rank_module.acting_as(ctx).__enter__()        # a worker always acts as its rank
+        rank_module.become(ctx)
         from . import function, rankops  # noqa: F401  (register their commands)
         import pytensor  # noqa: F401  (import before the first command, not during it)
         control.reply(0, ("ok", os.getpid()))

@@ -294,7 +294,249 @@ def scenario_master_busy(what):
             synk.gather(w)
 
 
+def scenario_terminate():
+    """SIGTERM to the master while it waits for a slow worker: the process must exit with
+    128 + 15, quietly (no traceback), and the session must be closed."""
+    f, w, info = _session(3)
+    _info(prefix=info.resources["shm_prefix"], pids=[r.pid for r in info.ranks if r.rank != info.master_rank])
+    import threading
+    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+    f(with_trigger(np.ones(6), 2, 3))
+    _result(survived=True)               # not reached
+
+
+def scenario_interrupt_compile():
+    """Ctrl-C while the first call of a function compiles (a cold numba cache): the
+    interrupt arrives once the compile is done, as a plain KeyboardInterrupt (an interrupt
+    inside LLVM can corrupt or crash the process); the session then works."""
+    import threading
+    import pytensor.tensor as T
+    import synkhronos as synk
+    synk.fork(2)
+    info = synk.session_info()
+    _info(prefix=info.resources["shm_prefix"], pids=[r.pid for r in info.ranks if r.rank != info.master_rank])
+    x = T.matrix("x", dtype="float64")
+    W = T.matrix("W", dtype="float64")
+    h = x
+    for i in range(12):                  # a graph that takes a while to compile
+        h = T.tanh(h.dot(W) * (0.1 + i)) + T.sin(h)
+    f = synk.function([x], (T.sum(h), "sum"), bcast_inputs=[W])
+    synk.distribute()
+    threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    res = {}
+    t0 = time.monotonic()
+    try:
+        f(np.ones((4, 4)), np.eye(4))
+        res["raised"] = None
+    except BaseException as e:          # noqa: BLE001 - what exactly is raised is the point
+        res["raised"] = type(e).__name__
+    res["seconds"] = time.monotonic() - t0
+    res["next"] = float(f(np.ones((4, 4)), np.eye(4)))
+    res["open"] = synk.session_info().open
+    synk.close()
+    _result(**res)
+
+
+class _Storm:
+    """SIGINT to the main thread at random instants while an operation is "armed": at most
+    one per armed operation (so an interrupt can never land in the bookkeeping that follows
+    it), after a random delay of up to 1.5 times the typical duration of an operation (so
+    that interrupts fall at every instant of one, and about half the operations complete)."""
+
+    def __init__(self, max_delay, seed):
+        import random
+        import threading
+        self.rng = random.Random(seed)
+        self.max_delay = max_delay
+        self.armed = False
+        self.gen = 0
+        self.sent = 0
+        self.raised = 0
+        self.stop = False
+        self.main = threading.main_thread().ident
+        signal.signal(signal.SIGINT, self._handler)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _handler(self, signum, frame):
+        if self.armed:
+            self.armed = False
+            self.raised += 1
+            raise KeyboardInterrupt
+
+    def _run(self):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        while not self.stop:
+            gen = self.gen
+            if not self.armed:
+                time.sleep(20e-6)
+                continue
+            time.sleep(self.rng.uniform(0, self.max_delay))
+            if self.armed and self.gen == gen:
+                self.sent += 1
+                signal.pthread_kill(self.main, signal.SIGINT)
+            while self.gen == gen and not self.stop:    # one per armed operation
+                time.sleep(10e-6)
+
+    def attempt(self, op):
+        """(True, result) if ``op()`` completed, (False, None) if it was interrupted."""
+        self.gen += 1
+        t0 = time.perf_counter()
+        self.armed = True
+        try:
+            res = op()
+            self.armed = False
+            self.max_delay = 0.97 * self.max_delay + 0.03 * 1.5 * (time.perf_counter() - t0)
+            return True, res
+        except KeyboardInterrupt:
+            self.armed = False
+            return False, None
+
+
+def scenario_sigint_storm(target, n, seconds):
+    """Calls and collectives under SIGINTs at random instants until ``target`` interrupts
+    (or ``seconds``).  Every completed result is checked against a model of every rank's
+    state; after every interrupted operation the ranks' state must be the state before or
+    after it on every rank at once (all-or-nothing), and it becomes the model."""
+    import random
+    import pytensor
+    import pytensor.tensor as T
+    import synkhronos as synk
+    from synkhronos.shards import split
+    import _fault_scripts as fs
+    fs.quiet()
+    target, n, seconds = int(target), int(n), float(seconds)
+    synk.fork(n)
+    info = synk.session_info()
+    _info(prefix=info.resources["shm_prefix"], pids=[r.pid for r in info.ranks if r.rank != info.master_rank])
+    x = T.vector("x", dtype="float64")
+    w = pytensor.shared(np.zeros(3), name="w")
+    v = pytensor.shared(np.zeros(6), name="v")
+    f = synk.function([x], (T.sum(x), "sum"))
+    g = synk.function([x], [(T.sum(x), "sum"), (T.sum(w), None)], updates=[(w, w + T.sum(x))])
+    h = synk.function([x], [(T.max(x), "max"), (x * 2, "gather"), (T.sum(v), "sum")])
+    synk.distribute()
+    for num_slices in (1, 2, 3):                  # compile every variant before the storm
+        f(np.arange(6.0), num_slices=num_slices)
+        g(np.zeros(6), num_slices=num_slices)
+        h(np.arange(6.0), num_slices=num_slices)
+    rng = np.random.default_rng(0)
+    pick = random.Random(1)
+    model = {"w": [np.zeros(3) for _ in range(n)], "v": [np.zeros(6) for _ in range(n)]}
+    res = dict(completed=0, interrupted=0, checked=0, mismatches=[], inconsistent=[], ops={})
+
+    def read(var):
+        return [synk.get_value(r, var) for r in range(n)]
+
+    def mismatch(what, got, want):
+        if len(res["mismatches"]) < 20:
+            res["mismatches"].append(f"{what}: got {got!r} want {want!r}")
+
+    def reconcile(name, var, after):
+        """After an interrupted op: every rank holds the model before, or every rank holds
+        ``after`` (the model had it completed)."""
+        got = read(var)
+        before = model[name]
+        if all(np.array_equal(a, b) for a, b in zip(got, before)):
+            return
+        if after is not None and all(np.array_equal(a, b) for a, b in zip(got, after)):
+            model[name] = [np.array(a) for a in after]
+            return
+        if len(res["inconsistent"]) < 20:
+            res["inconsistent"].append(f"{name}: ranks hold {[a.tolist() for a in got]}, before "
+                                       f"{[a.tolist() for a in before]}, after "
+                                       f"{None if after is None else [a.tolist() for a in after]}")
+        model[name] = [np.array(a) for a in got]
+
+    storm = _Storm(max_delay=0.0003, seed=2)
+    t_end = time.monotonic() + seconds
+    while storm.raised < target and time.monotonic() < t_end:
+        op = pick.choice(["f", "g", "h", "all_reduce", "broadcast", "scatter", "gather", "set_get"])
+        res["ops"][op] = res["ops"].get(op, 0) + 1
+        k = int(rng.integers(0, 13))
+        xs = rng.integers(-5, 6, k).astype(np.float64)
+        b = split(k, n)
+        if op == "f":
+            ok, out = storm.attempt(lambda: f(xs))
+            if ok and out != xs.sum():
+                mismatch("f", out, xs.sum())
+        elif op == "g":
+            after = [model["w"][r] + xs[b[r]:b[r + 1]].sum() if b[r + 1] > b[r] else model["w"][r]
+                     for r in range(n)]
+            ok, out = storm.attempt(lambda: g(xs))
+            if ok:
+                if out[0] != xs.sum():
+                    mismatch("g sum", out[0], xs.sum())
+                model["w"] = after
+                got = read(w)
+                if not all(np.array_equal(a, c) for a, c in zip(got, after)):
+                    mismatch("g update", got, after)
+            else:
+                reconcile("w", w, after)
+        elif op == "h":
+            ok, out = storm.attempt(lambda: h(xs, num_slices=3))
+            if ok:     # sum(v) is computed once per slice (at most 3 per rank) and summed
+                want_sum = sum(model["v"][r].sum() * min(3, b[r + 1] - b[r]) for r in range(n))
+                if k and (out[0] != xs.max() or not np.array_equal(out[1], xs * 2) or out[2] != want_sum):
+                    mismatch("h", out, (xs.max(), xs * 2, want_sum))
+        elif op == "all_reduce":
+            after = [sum(model["v"])] * n
+            ok, _ = storm.attempt(lambda: synk.all_reduce(v, op="sum"))
+            if ok:
+                model["v"] = after
+            else:
+                reconcile("v", v, after)
+        elif op == "broadcast":
+            val = rng.integers(-9, 10, 6).astype(np.float64)
+            ok, _ = storm.attempt(lambda: synk.broadcast(v, val))
+            if ok:
+                model["v"] = [val] * n
+            else:
+                reconcile("v", v, [val] * n)
+        elif op == "scatter":
+            val = rng.integers(-9, 10, 6 * n).astype(np.float64)
+            after = [val[6 * r:6 * r + 6] for r in range(n)]
+            ok, _ = storm.attempt(lambda: synk.scatter(v, val))
+            if ok:
+                model["v"] = after
+            else:
+                reconcile("v", v, after)
+        elif op == "gather":
+            ok, out = storm.attempt(lambda: synk.gather(v))
+            if ok and not np.array_equal(out, np.stack(model["v"])):
+                mismatch("gather", out, model["v"])
+        else:
+            r = int(rng.integers(0, n))
+            val = rng.integers(-9, 10, 3).astype(np.float64)
+            ok, _ = storm.attempt(lambda: synk.set_value(r, w, val))
+            after = [val if q == r else model["w"][q] for q in range(n)]
+            if ok:
+                model["w"] = after
+                ok2, got = storm.attempt(lambda: synk.get_value(r, w))
+                if ok2 and not np.array_equal(got, val):
+                    mismatch("get_value", got, val)
+            else:
+                reconcile("w", w, after)
+        res["completed" if ok else "interrupted"] += 1
+        res["checked"] += 1
+    storm.stop = True
+    storm.thread.join()
+    res["interrupts"] = storm.raised
+    res["typical_op_us"] = storm.max_delay / 1.5 * 1e6
+    res["sigints_sent"] = storm.sent
+    for name, var in (("w", w), ("v", v)):     # the end state agrees with the model
+        got = read(var)
+        if not all(np.array_equal(a, c) for a, c in zip(got, model[name])):
+            mismatch(f"final {name}", got, model[name])
+    res["final_f"] = float(f(np.arange(10.0)))
+    synk.close()
+    res["left"] = [e for e in os.listdir("/dev/shm") if e.startswith(info.resources["shm_prefix"].lstrip("/"))]
+    _result(**res)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     name, args = sys.argv[1], sys.argv[2:]
-    {"ctrl_c": scenario_ctrl_c, "master_busy": scenario_master_busy}[name](*args)
+    {"ctrl_c": scenario_ctrl_c, "master_busy": scenario_master_busy,
+     "sigint_storm": scenario_sigint_storm, "terminate": scenario_terminate,
+     "interrupt_compile": scenario_interrupt_compile}[name](*args)

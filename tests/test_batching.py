@@ -880,33 +880,7 @@ def test_many_bad_calls_in_a_row_then_good(sess):
 
 
 # ------------------------------------------------------------------------------------------
-# Bugs found while writing these tests (strict xfail: they must start passing once fixed)
-
-BUG_SLICEABLE_WEIGHT = (
-    "BUG function.py:56 Core.run: with sliceable shareds, no scattered inputs, batch_s=None "
-    "and num_slices=1, rows stays None and the rank reports weight 1, so avg over ranks is "
-    "equal-weighted (not by local length) and a rank with 0 local rows contributes NaN")
-
-BUG_NONE_MASTER_EMPTY = (
-    "BUG function.py:88/442: a mode-None output is None when the master's share is empty: "
-    "workers drop mode-None outputs, and _collect's fallback src=order[0] reads a worker's None")
-
-BUG_UINT64_WRAP = (
-    "BUG scatter.py:29 index_array: uint64 indices >= 2**63 wrap to negative int64 and pass the "
-    "range checks (idx.max() is negative): batch=[2**64-1] silently selects the LAST row; larger "
-    "wrapped values reach the workers and fail there")
-
-BUG_EMPTY_BATCH_S = (
-    "BUG function.py:364-367/_collect: a function without scattered inputs whose batch_s selects "
-    "0 rows on every rank runs the workers, then _collect raises 'IndexError: list index out of "
-    "range' (combine/order[0] on no parts); scattered inputs with batch=[] give serial PyTensor's "
-    "empty result via _run_empty")
-
-BUG_MIXED_INT_LIST = (
-    "BUG scatter.py:20 index_array: a list of numpy integer scalars of mixed signedness "
-    "(e.g. [np.int8(0), np.uint64(1)]) is promoted by numpy to float64 and rejected as "
-    "'must contain integers'")
-
+# Regressions: bugs found while writing these tests, now fixed
 
 def test_none_output_when_master_share_empty(sess, request):
     """With 1 selected row and n >= 2 the master has no rows: the mode-None output should

@@ -7,10 +7,10 @@ example reuses them (nothing is forked or compiled per example).  The expected v
 from the same helpers as the deterministic tests: serial PyTensor (``as_theano``) on the
 selected rows for f1, numpy on each rank's rows for f2..f4.
 
-Configurations hit by the bugs reported in ``test_batching`` (strict xfail there) are not
-generated here: a sliceable-only call with batch_s=None and num_slices=1 on unequal local
-lengths, and a batch_s selecting no rows at all; a mode-None output is checked only when
-the master has rows."""
+A few configurations are left to the deterministic regression tests of ``test_batching``
+instead of being generated here: a sliceable-only call with batch_s=None and num_slices=1
+on unequal local lengths, a batch_s selecting no rows at all, and a mode-None output when
+the master has no rows."""
 from contextlib import contextmanager
 
 import numpy as np

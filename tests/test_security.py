@@ -18,11 +18,10 @@ Trust model (what these tests check):
 * Files: the runtime writes none, except the optional per-worker profiles
   (``profile_workers=True``).
 
-Bugs found (strict xfail below): the profiles are written with a predictable name in the
-current directory, following symlinks, with the umask's mode; workers import modules from
-the master's current directory (``python -m`` puts it first on sys.path); the stale-session
-reaper trusts any ``/dev/shm/synk_*_ctrl`` entry and removes everything that starts with
-its name, live sessions included."""
+Regressions checked below (bugs found here, since fixed): profiles written with a
+predictable name, following symlinks, with the umask's mode; workers importing modules
+from the master's current directory; a stale-session reaper that trusted any
+``/dev/shm/synk_*_ctrl`` entry and removed live sessions."""
 import json
 import os
 import pickle

@@ -34,27 +34,36 @@ _ALIGN = 64                         # chunk boundaries on cache lines
 
 
 class _Slots:
-    """One rank's slots plus the table through which ranks publish their slots' shapes."""
+    """One rank's slots plus the table through which ranks publish their slots' shapes.
+
+    A key has two value buffers.  The one whose view a collective last returned is *lent*:
+    the caller may keep it as its value, so nothing writes into it before a vote has
+    decided (the write is then the commit); staging for a collective uses the other."""
 
     def __init__(self, prefix, rank, n, n_keys, create):
         self.prefix, self.rank, self.n = prefix, rank, n
         rows = max(1, n_keys)
         self.table_seg = shm.Segment(f"{prefix}_slots", 3 * rows * n * (2 + MAXD) * 8, create=create)
         self.table = self.table_seg.array(np.int64, (3, rows, n, 2 + MAXD))
-        self.own = {}     # (plane, key) -> (gen, Segment, address)
+        self.bufs = {}    # (plane, key) -> [(gen, Segment, address) or None, same]
+        self.cur = {}     # (plane, key) -> index of the buffer published now
+        self.lent = {}    # key -> index of the value buffer last returned
+        self.gen = {}     # (plane, key) -> last generation number used in a name
         self.peers = {}   # (plane, key, rank) -> (gen, Segment)
 
-    def _own(self, plane, key, nbytes):
-        cur = self.own.get((plane, key))
+    def _buffer(self, plane, key, i, nbytes):
+        bufs = self.bufs.setdefault((plane, key), [None, None])
+        cur = bufs[i]
         if cur is not None and cur[1].size >= nbytes:
             return cur
-        gen = (cur[0] + 1) if cur else 1
+        gen = self.gen.get((plane, key), 0) + 1
+        self.gen[(plane, key)] = gen
         size = max(64, int(nbytes * (1.25 if cur else 1.0)))
         shm.check_space(size)
         seg = shm.Segment(f"{self.prefix}_v{plane}k{key}r{self.rank}g{gen}", size, create=True)
         if cur is not None:
             cur[1].unlink()
-        self.own[(plane, key)] = entry = (gen, seg, seg.address())
+        bufs[i] = entry = (gen, seg, seg.address())
         return entry
 
     def announce(self, plane, key, gen, shape):
@@ -66,34 +75,54 @@ class _Slots:
         row[0] = gen
 
     def holds(self, key, arr):
-        """Whether ``arr`` is exactly this rank's slot of ``key`` (no copy-in needed)."""
-        cur = self.own.get((SLOT, key))
-        return (cur is not None and isinstance(arr, np.ndarray) and arr.flags.c_contiguous
-                and arr.__array_interface__["data"][0] == cur[2] and arr.nbytes <= cur[1].size)
+        """Whether ``arr`` is exactly the lent value buffer of ``key`` (no copy-in needed)."""
+        i = self.lent.get(key)
+        if i is None or not isinstance(arr, np.ndarray):
+            return False
+        entry = self.bufs[(SLOT, key)][i]
+        return (arr.flags.c_contiguous and arr.__array_interface__["data"][0] == entry[2]
+                and arr.nbytes <= entry[1].size)
 
-    def overlaps(self, key, arr):
-        cur = self.own.get((SLOT, key))
-        return cur is not None and cur[1].overlaps(arr)
+    def _publish_held(self, key, shape):
+        i = self.lent[key]
+        self.cur[(SLOT, key)] = i
+        self.announce(SLOT, key, self.bufs[(SLOT, key)][i][0], shape)
 
-    def ensure(self, key, dtype, shape, plane=SLOT):
-        """This rank's slot of ``key`` as an array of ``shape`` (contents kept only if the
-        allocation is reused), published in the table."""
+    def stage(self, key, dtype, shape, reuse_lent=False):
+        """A value buffer of ``key`` shaped ``shape``, published: the one not lent (unless
+        ``reuse_lent``: for a write that happens only once a vote decided)."""
         shape = tuple(int(s) for s in shape)
         if len(shape) > MAXD:
             raise ValueError(f"collectives support up to {MAXD} dimensions, got {len(shape)}")
-        gen, seg, _ = self._own(plane, key, int(np.prod(shape)) * dtype.itemsize)
+        lent = self.lent.get(key)
+        i = 0 if lent is None else (lent if reuse_lent else 1 - lent)
+        gen, seg, _ = self._buffer(SLOT, key, i, int(np.prod(shape)) * dtype.itemsize)
+        self.cur[(SLOT, key)] = i
+        self.announce(SLOT, key, gen, shape)
+        return seg.array(dtype, shape)
+
+    def lend(self, key):
+        """The value buffer published now is returned to a caller (call once committed)."""
+        self.lent[key] = self.cur[(SLOT, key)]
+
+    def ensure(self, key, dtype, shape, plane):
+        """This rank's buffer of ``key`` on a result or shape plane, published."""
+        shape = tuple(int(s) for s in shape)
+        gen, seg, _ = self._buffer(plane, key, 0, int(np.prod(shape)) * dtype.itemsize)
+        self.cur[(plane, key)] = 0
         self.announce(plane, key, gen, shape)
         return seg.array(dtype, shape)
 
     def publish(self, key, arr):
-        """Make this rank's slot of ``key`` hold ``arr`` and publish its shape; returns the slot."""
+        """Publish ``arr`` as this rank's value of ``key`` (copied into a staging buffer
+        unless it is the lent one); returns where it lies."""
         arr = np.asarray(arr)
         if self.holds(key, arr):
-            self.announce(SLOT, key, self.own[(SLOT, key)][0], arr.shape)
+            self._publish_held(key, arr.shape)
             return arr
-        if self.overlaps(key, arr):
-            arr = np.array(arr, copy=True)          # a view of the slot itself
-        view = self.ensure(key, arr.dtype, arr.shape)
+        view = self.stage(key, arr.dtype, arr.shape)
+        if arr.size and np.may_share_memory(view, arr):
+            arr = np.array(arr, copy=True)
         np.copyto(view, arr)
         return view
 
@@ -102,9 +131,9 @@ class _Slots:
         return tuple(int(s) for s in row[2:2 + int(row[1])])
 
     def view(self, key, rank, dtype, plane=SLOT):
-        """The slot of ``rank`` for ``key`` as published in the table."""
+        """The buffer of ``rank`` for ``key`` as published in the table."""
         if rank == self.rank:
-            gen, seg, _ = self.own[(plane, key)]
+            gen, seg, _ = self.bufs[(plane, key)][self.cur[(plane, key)]]
         else:
             gen = int(self.table[plane, key, rank, 0])
             cur = self.peers.get((plane, key, rank))
@@ -122,6 +151,21 @@ def _chunks(size, n, itemsize):
     b = [min(size, (r * nq // n) * q) for r in range(n + 1)]
     b[-1] = size
     return b
+
+
+def _blocks(shape, counts, n, name=None):
+    """Row boundaries (n+1 ints) of the ranks' blocks of axis 0 for reduce_scatter: near-equal
+    (``counts`` None) or ``counts[r]`` rows for rank r (checked here, before any wait)."""
+    of = f" of {name}" if name else ""
+    if len(shape) == 0:
+        raise ValueError(f"reduce_scatter{of} splits along axis 0 and needs at least 1 dimension")
+    if counts is None:
+        return [(r * shape[0]) // n for r in range(n + 1)]
+    counts = [int(c) for c in counts]
+    if len(counts) != n or min(counts) < 0 or sum(counts) != shape[0]:
+        raise ValueError(f"reduce_scatter{of}: counts {counts} must give each of the {n} rank(s) a "
+                         f"number of rows >= 0, {shape[0]} in all")
+    return [sum(counts[:r]) for r in range(n + 1)]
 
 
 def _addr(a):
@@ -189,6 +233,7 @@ class ShmComm(Comm):
     ``sync`` is the control plane of the same ranks (barrier, vote, abort)."""
 
     name = "shm"
+    returns_new = ("all_gatherv", "reduce_scatter")   # verbs whose results are new arrays
 
     def __init__(self, prefix, rank, n, sync, create):
         self.prefix, self.rank, self.n = prefix, rank, n
@@ -218,12 +263,12 @@ class ShmComm(Comm):
         slots = self.slots
         arr = np.asarray(arr)
         if slots.holds(key, arr):
-            slots.announce(SLOT, key, slots.own[(SLOT, key)][0], arr.shape)
+            slots._publish_held(key, arr.shape)
             return arr.reshape(-1), arr.shape
-        if slots.overlaps(key, arr):
-            arr = np.array(arr, copy=True)
-        view = slots.ensure(key, arr.dtype, arr.shape).reshape(-1)
+        view = slots.stage(key, arr.dtype, arr.shape).reshape(-1)
         flat = np.ascontiguousarray(arr).reshape(-1)
+        if flat.size and np.may_share_memory(view, flat):
+            flat = flat.copy()
         bounds = _chunks(flat.size, self.n, arr.dtype.itemsize)
         a, b = bounds[self.rank], bounds[self.rank + 1]
         if a > 0:
@@ -262,10 +307,11 @@ class ShmComm(Comm):
         staged, views = self._prepare_reduction(items, "all_reduce")
 
         def write():
-            for (flat, _), vs in zip(staged, views):
+            for (key, _), (flat, _), vs in zip(items, staged, views):
                 bounds = _chunks(flat.size, self.n, flat.dtype.itemsize)
                 _reduce_chunk(op, self._sources(vs, flat), vs, bounds[self.rank], bounds[self.rank + 1],
                               flat.dtype)
+                self.slots.lend(key)
         self._commit(write)
         if fence:
             self.sync.barrier()
@@ -286,10 +332,12 @@ class ShmComm(Comm):
                  for (key, arr), vs in zip(items, views)]
 
         def write():
-            for (flat, _), vs, dest in zip(staged, views, dests):
+            for (key, _), (flat, _), vs, dest in zip(items, staged, views, dests):
                 bounds = _chunks(flat.size, self.n, flat.dtype.itemsize)
                 _reduce_chunk(op, self._sources(vs, flat), [dest], bounds[self.rank], bounds[self.rank + 1],
                               flat.dtype)
+                if in_place and self.rank == root:
+                    self.slots.lend(key)
         self._commit(write)
         if fence:
             self.sync.barrier()
@@ -301,8 +349,8 @@ class ShmComm(Comm):
     def broadcast(self, items, root, fence=True):
         if self.n == 1:
             return [np.asarray(a) for _, a, _ in items]
-        if self.rank == root:
-            for key, arr, dtype in items:
+        if self.rank == root:                # staged in the buffer not lent: until the vote,
+            for key, arr, dtype in items:     # the root's old value stays intact
                 self.slots.publish(key, np.asarray(arr, dtype=dtype))
         self.sync.barrier(check_after=False)
         targets = []
@@ -310,7 +358,7 @@ class ShmComm(Comm):
             dtype = np.dtype(dtype)
             shape = self.slots.shape(key, root)
             src = self.slots.view(key, root, dtype)
-            dst = src if self.rank == root else self.slots.ensure(key, dtype, shape)
+            dst = src if self.rank == root else self.slots.stage(key, dtype, shape, reuse_lent=True)
             targets.append((key, dtype, src, dst))
         total = sum(src.nbytes for _, _, src, _ in targets)
         split = total >= _SPLIT_BCAST_BYTES
@@ -319,6 +367,8 @@ class ShmComm(Comm):
             flats = [self._all_slots(key, dtype) for key, dtype, _, _ in targets]
 
         def write():
+            for key, _, _, _ in targets:
+                self.slots.lend(key)
             if not split:
                 for _, _, src, dst in targets:
                     if dst is not src:
@@ -376,26 +426,36 @@ class ShmComm(Comm):
         self.sync.barrier()              # nobody reads the slots any more
         return out
 
-    def reduce_scatter(self, items, op, fence=True):
+    def reduce_scatter(self, items, op, fence=True, counts=None):
+        """``counts``: None, or per item None (near-equal blocks) or the rows each rank gets.
+
+        Every rank publishes its whole array (the others read every block but their own
+        from it), checks the shapes (every rank raises alike) and, once all voted yes,
+        reduces its own block from every rank's slot into a new array."""
+        counts = [None] * len(items) if counts is None else list(counts)
+        if len(counts) != len(items):
+            raise ValueError(f"reduce_scatter got {len(counts)} counts for {len(items)} items")
+        blocks = [_blocks(np.shape(arr), c, self.n, self.names.get(key)) for (key, arr), c in zip(items, counts)]
         if self.n == 1:
             return [np.array(a, copy=True) for _, a in items]
-        staged, views = self._prepare_reduction(items, "reduce_scatter")
+        for key, arr in items:
+            self.slots.publish(key, arr)
+        self.sync.barrier(check_after=False)
+        self._equal_shapes([k for k, _ in items], "reduce_scatter")
         out = []
-        for (flat, shape), vs in zip(staged, views):
-            if len(shape) == 0:
-                raise ValueError("reduce_scatter splits along axis 0 and needs at least 1 dimension")
-            rows = [(r * shape[0]) // self.n for r in range(self.n + 1)]
-            per = int(np.prod(shape[1:]))
+        for (key, arr), rows in zip(items, blocks):
+            arr = np.asarray(arr)
+            per = int(np.prod(arr.shape[1:]))
             a, b = rows[self.rank] * per, rows[self.rank + 1] * per
-            res = np.empty((rows[self.rank + 1] - rows[self.rank],) + tuple(shape[1:]), flat.dtype)
-            out.append((a, b, res, self._sources(vs, flat)))
+            res = np.empty((rows[self.rank + 1] - rows[self.rank],) + arr.shape[1:], arr.dtype)
+            out.append((res, [v[a:b] for v in self._all_slots(key, arr.dtype)]))
 
         def write():
-            for a, b, res, srcs in out:
-                _reduce_chunk(op, [s[a:b] for s in srcs], [res.reshape(-1)], 0, b - a, res.dtype)
+            for res, srcs in out:
+                _reduce_chunk(op, srcs, [res.reshape(-1)], 0, res.size, res.dtype)
         self._commit(write)
-        self.sync.barrier()              # sources may change only once every rank has read them
-        return [res for _, _, res, _ in out]
+        self.sync.barrier()              # slots may change only once every rank has read them
+        return [res for res, _ in out]
 
     def shapes(self, shapes):
         if self.n == 1:

@@ -264,7 +264,7 @@ class ShmControl(Control):
         token = self._token()
         if self.n == 1:
             if ok:
-                signals.hold()
+                signals.hold()          # (may raise a pending interrupt: then nothing changed)
                 if on_commit is not None:
                     on_commit()
             return bool(ok)
@@ -275,7 +275,7 @@ class ShmControl(Control):
                 return False
             decided = lambda: int(self.ctrl[DECISION]) == token or self.aborted()  # noqa: E731
             self.waiter.wait(decided, self._sleep, owed=lambda: [self.master_rank], what="a vote")
-            if self.aborted():
+            if int(self.ctrl[DECISION]) != token:   # a decision stands even if an abort follows
                 return False
             if on_commit is not None:
                 on_commit()
@@ -283,10 +283,10 @@ class ShmControl(Control):
         late = lambda: [r for r in self.workers if abs(self._get(r, VOTE)) != token]  # noqa: E731
         try:
             self.waiter.wait(lambda: self.aborted() or not late(), self._sleep, owed=late, what="a vote")
+            signals.hold()             # from the decision to the end of the command: no signal
         except BaseException:
             self.abort()
             raise
-        signals.hold()                 # from the decision to the end of the command: no signal
         commit = ok and not self.aborted() and all(self._get(r, VOTE) == token for r in self.workers)
         if commit:
             self.ctrl[DECISION] = token
