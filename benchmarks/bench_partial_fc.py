@@ -108,7 +108,7 @@ def one(mode, n_classes, n, embed, batch, steps, seed=0):
             p = {k: pytensor.shared(v, name=k) for k, v in params.items()}
             train = build_replicated(p, dtype)
         synk.distribute()
-        for r in range(1, n):
+        for r in range(1, n if mode == "partial" else 1):    # replicated: distribute copied it
             Wt, bc = shard(r)
             synk.set_value(r, [p["Wt"], p["bc"]], [Wt, bc])
             del Wt, bc

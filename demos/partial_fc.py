@@ -90,9 +90,10 @@ def partial_fc_loss(F, Y, Wt, bc):
     m = disconnected_grad(ops.all_reduce(pt.max(logits, axis=1), "max"))
     s = ops.all_reduce(pt.exp(logits - m[:, None]).sum(axis=1), "sum")
     n_cls = ops.all_gather(Wt.shape[:1])                     # classes of every rank
-    lo = n_cls[:ops.this_rank()].sum()                       # this rank's first class
-    mine = pt.eq(Y[:, None] - lo, pt.arange(Wt.shape[0])[None, :])
-    t = ops.all_reduce(pt.sum(logits * mine, axis=1), "sum")   # the target's logit
+    local = Y - n_cls[:ops.this_rank()].sum()                # labels as this rank's rows
+    mine = pt.and_(pt.ge(local, 0), pt.lt(local, Wt.shape[0]))
+    picked = logits[pt.arange(Y.shape[0]), pt.clip(local, 0, Wt.shape[0] - 1)]
+    t = ops.all_reduce(pt.switch(mine, picked, 0), "sum")    # the target's logit, from its rank
     return pt.log(s) + m - t, pt.ge(t, m)
 
 

@@ -16,6 +16,7 @@ from .errors import (SynkError, WorkerError, WorkerDied, WorkerStopped, StallTim
                      ForeignSession)
 from .collectives import (broadcast, scatter, gather, all_gather, reduce, all_reduce,
                           set_value, get_value, get_lengths, get_shapes)
+from .device import get_n_gpu
 
 _sys.setrecursionlimit(max(_sys.getrecursionlimit(), 50000))
 
@@ -32,4 +33,4 @@ __all__ = ["fork", "close", "data", "Data", "function", "distribute", "Function"
            "broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
            "set_value", "get_value", "get_lengths", "get_shapes",
            "SynkError", "WorkerError", "WorkerDied", "WorkerStopped", "StallTimeout", "RankLost",
-           "ForeignSession", "DebugMismatch", "debug_log", "session_info"]
+           "ForeignSession", "DebugMismatch", "debug_log", "session_info", "get_n_gpu"]

@@ -7,9 +7,9 @@ the plane gives the ranks of a command three ways to agree:
 
 * ``abort(seq)``: any rank makes every rank leave the waits of command ``seq``;
 * ``barrier()``: all ranks meet (raises ``Aborted`` if the command was aborted);
-* ``vote(ok)``: all-or-nothing decisions.  Every rank votes; the master decides "commit"
-  only if every rank voted yes and it was not interrupted, so state changed on one rank is
-  changed on all or on none.
+* ``vote(ok)``: all-or-nothing decisions.  Every rank votes; all decide "commit" only if
+  every rank voted yes, so state changed on one rank is changed on all or on none (signals
+  are held from a rank's vote to the end of the command: an interrupt cannot split it).
 
 and it delivers a call's inputs: ``alloc`` gives the master buffers that ranks can read
 (``view``), and ``forget`` drops the ones the master released.

@@ -170,21 +170,25 @@ GPU_EXTRA = "pip install 'synkhronos[gpu]'  (JAX with its CUDA 12 wheels: jax[cu
 
 def visible_gpus():
     """The GPUs this process may use, as the ids a worker's ``CUDA_VISIBLE_DEVICES`` takes,
-    found without initialising CUDA here: ``CUDA_VISIBLE_DEVICES`` when set, else the
-    driver's ``/proc/driver/nvidia/gpus``, else ``nvidia-smi -L``.  Empty when none."""
+    found without initialising CUDA here: the driver's GPUs (``/proc/driver/nvidia/gpus``,
+    else ``nvidia-smi -L``), restricted by ``CUDA_VISIBLE_DEVICES`` when it is set.  Empty
+    when there are none."""
+    physical = _driver_gpu_count()
+    if physical == 0:
+        return []
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        ids = []
-        for tok in env.split(","):
-            tok = tok.strip()
-            if not tok:
-                break
-            if tok.lstrip("-").isdigit() and int(tok) < 0:
-                break                    # CUDA stops at the first invalid entry
-            ids.append(tok)
-        return ids
-    n = _driver_gpu_count()
-    return [str(i) for i in range(n)]
+    if env is None:
+        return [str(i) for i in range(physical)]
+    ids = []
+    for tok in env.split(","):
+        tok = tok.strip()
+        if tok.isdigit():
+            if int(tok) >= physical or tok in ids:
+                break                    # CUDA ignores the list from the first invalid entry on
+        elif not tok.startswith(("GPU-", "MIG-")):
+            break
+        ids.append(tok)
+    return ids
 
 
 def _driver_gpu_count():

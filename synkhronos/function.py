@@ -147,6 +147,7 @@ class Function:
         self._names = {v.name: i for i, v in enumerate(self._all_inputs) if v.name}
         self._staging = [None] * len(self._all_inputs)
         self._idx_stage = None
+        self._plan_cache = None
         self._warm = set()
         self._types = [(np.dtype(v.type.dtype), v.type.ndim, getattr(v.type, "shape", None))
                        for v in self._all_inputs]
@@ -239,8 +240,8 @@ class Function:
             values, num_slices, wanted, sel, sel_s = self._validate(args, kwargs, output_subset, batch, batch_s,
                                                                      num_slices)
             datas = [self._stage(i, v) for i, v in enumerate(values)]
-            plan, total, idx_local = self._plan(datas, sel, sel_s, num_slices, wanted)
-            mine, theirs, arrays = self._run(plan, datas, total, idx_local)
+            plan, wire, total, idx_local = self._plan(datas, sel, sel_s, num_slices, wanted)
+            mine, theirs, arrays = self._run(plan, wire, datas, total, idx_local)
             outs = self._collect(mine, theirs, wanted, arrays, plan)
             rt.commit()
             if self._updates_sliceable:
@@ -276,7 +277,23 @@ class Function:
         return values, num_slices, wanted, sel, sel_s
 
     def _plan(self, datas, sel, sel_s, num_slices, wanted):
-        """-> (CallPlan, total rows or None, the master's index array or None)."""
+        """-> (CallPlan, its wire form, total rows or None, the master's index array or None).
+
+        A call like the previous one (same inputs in the same buffers with the same shapes,
+        no selectors) reuses its plan: nothing in it can have changed."""
+        key = None
+        if sel is None and sel_s is None and not self._sliceable and not self._collective:
+            key = (tuple((d._buf, d._arr.shape, d._minibatch) for d in datas), num_slices,
+                   None if wanted is None else tuple(wanted))
+            cached = self._plan_cache
+            if cached is not None and cached[0] == key:
+                return cached[1]
+        made = self._make_plan(datas, sel, sel_s, num_slices, wanted)
+        if key is not None:
+            self._plan_cache = (key, made)
+        return made
+
+    def _make_plan(self, datas, sel, sel_s, num_slices, wanted):
         rt = self._rt
         n, ns = rt.n, len(self._inputs)
         scat = datas[:ns]
@@ -318,12 +335,12 @@ class Function:
         send = self._send_mask(wanted, self._master_has_rows(ns, bounds, sel_s))
         plan = CallPlan(self._replica.fid, tuple(d._ref() for d in datas), Rows(kind, bounds, base, idx_ref, mbs),
                         sel_s, num_slices, send)
-        return plan, total, idx_local
+        return plan, call_to_wire(plan), total, idx_local
 
     def _variant(self, plan):
         return "s" if (self._sliceable and (plan.sel_s is not None or plan.num_slices > 1)) else "f"
 
-    def _run(self, plan, datas, total, idx_local):
+    def _run(self, plan, wire, datas, total, idx_local):
         rt = self._rt
         ctx = rt.ctx
         me = rt.rank
@@ -342,12 +359,12 @@ class Function:
         if self._collective:     # in-graph collectives meet the other ranks: all start together
             master_first = False
         what = f"call of function {self.name or replica.fid}"
-        args = (call_to_wire(plan),)
+        args = (wire,)
         if variant in self._warm:
             mine, theirs = rt.execute("call", args, local, master_first, what=what)
         else:                    # the first call compiles (numba JIT: up to a minute): say so
             with busy(f"synkhronos: first {what}: compiling (JIT) or loading it from the cache"):
-                mine, theirs = rt.execute("call", args, local, master_first, what=what)
+                mine, theirs = rt.execute("call", args, local, master_first, what=what, patient=True)
         self._warm.add(variant)
         return mine, theirs, arrays
 
@@ -536,7 +553,7 @@ def distribute():
         rt.shared_ids = {id(v): i for i, v in enumerate(shareds)}
         n_keys = len(shareds) + _reserved_keys()        # keys of in-graph collectives after the shareds'
         ctx.comm.setup(n_keys, _names(shareds))   # before the workers attach to what it creates
-        rt.execute("distribute", (payload, n_keys), what="distribute")
+        rt.execute("distribute", (payload, n_keys), what="distribute", patient=True)
         rt.distributed = True
         print(f"...distribution complete ({time.perf_counter() - t0:.1f} s).", flush=True)
 
@@ -593,7 +610,11 @@ def _w_distribute(ctx, payload, n_keys):
 
 @worker_command("call")
 def _w_call(ctx, wire):
-    plan = call_from_wire(wire)
-    replica = ctx.replicas[plan.fid]
-    scat, bcast = ctx.control.inputs(plan.inputs, replica.n_scatter, plan.rows, ctx.rank)
-    return replica.run(ctx, scat, bcast, plan)
+    cached = ctx.call_cache.get(wire[0])     # per function: the last plan and its inputs
+    if cached is not None and cached[0] == wire:
+        _, plan, scat, bcast = cached
+    else:
+        plan = call_from_wire(wire)
+        scat, bcast = ctx.control.inputs(plan.inputs, ctx.replicas[plan.fid].n_scatter, plan.rows, ctx.rank)
+        ctx.call_cache[plan.fid] = (wire, plan, scat, bcast)
+    return ctx.replicas[plan.fid].run(ctx, scat, bcast, plan)

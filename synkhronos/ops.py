@@ -3,18 +3,19 @@
 A ``synk.function`` runs the same compiled graph on every rank, each on its shard.  The ops
 here let that graph exchange values between the ranks while it runs, with gradients:
 
-=================================  ===========================================================
-``all_reduce(x, op="sum")``        every rank gets the reduction over ranks (``avg``, ``sum``,
-                                   ``prod``, ``max``, ``min``); equal shapes on every rank
-``all_gather(x)``                  every rank gets the concatenation along axis 0, in rank
-                                   order; first dimensions may differ between ranks
-``reduce_scatter(x, op="sum",      rank r gets its block of rows of the reduction: near-equal
-counts=None)``                     blocks, or ``counts[r]`` rows
-``broadcast(x, root=0)``           every rank gets the root's ``x``
-``reduce(x, op="sum", root=0)``    the root gets the reduction, the others zeros (the
-                                   gradient of ``broadcast``)
-``this_rank()``, ``n_ranks()``     the rank running the graph, and how many there are
-=================================  ===========================================================
+=============================================  ===============================================
+``all_reduce(x, op="sum")``                    every rank gets the reduction over ranks (``avg``,
+                                               ``sum``, ``prod``, ``max``, ``min``); equal
+                                               shapes on every rank
+``all_gather(x)``                              every rank gets the concatenation along axis 0,
+                                               in rank order; first dimensions may differ
+``reduce_scatter(x, op="sum", counts=None)``   rank r gets its block of rows of the reduction:
+                                               near-equal blocks, or ``counts[r]`` rows
+``broadcast(x, root=0)``                       every rank gets the root's ``x``
+``reduce(x, op="sum", root=0)``                the root gets the reduction, the others zeros
+                                               (the gradient of ``broadcast``)
+``this_rank()``, ``n_ranks()``                 the rank running the graph, and how many there are
+=============================================  ===============================================
 
 Every op runs on every rank at the same point of the graph (all ranks run the same graph,
 in the same order) and calls the comm plane directly, ``rank.current().comm``: no round trip
@@ -449,8 +450,11 @@ def check_backend(mode, device=None):
                         "(synk.all_reduce etc. on shared variables between calls).")
     placement = getattr(device, "placement", "host")
     if placement != "host":
-        raise TypeError(f"this graph holds synkhronos.ops collectives, which run on the host; the "
-                        f"session's device keeps arrays on {placement!r}")
+        raise TypeError(f"this graph holds synkhronos.ops collectives, which call the comm plane from "
+                        f"Python on the host; this session's device ({getattr(device, 'kind', '?')}) keeps "
+                        f"arrays on {placement!r} and compiles whole graphs (PyTensor's JAX backend), which "
+                        "cannot call them. Use a CPU session (the default mode), or move the collective "
+                        "out of the graph (synk.all_reduce etc. on shared variables between calls).")
 
 
 # ---- numba: call back into Python through objmode, with a cache key ----------------------------

@@ -35,8 +35,15 @@ class Rank:
         self.shareds = []      # registry index -> shared variable (same order on every rank)
         self.replicas = []     # function id -> Replica
         self.pending = None    # (seq, apply) of a call's updates, until the master settles it
+        self.call_cache = {}   # function id -> (wire plan, plan, its input views): a worker's last call
 
     is_master = property(lambda self: self.rank == self.master_rank)
+
+    def forget(self, handles):
+        """The master released these buffers: drop their mappings and any view of them."""
+        if handles:
+            self.control.forget(handles)
+            self.call_cache.clear()
 
     def view(self, ref):
         """The local array of an ``ArrayRef``."""

@@ -60,10 +60,11 @@ class Replica:
                 rows = self.sliceable_length(device)
         if rows == 0:
             return None
+        bcast = _on(device, bcast)          # to the device once per call (rows: just this rank's)
         if num_slices <= 1 or rows is None:
-            outs = self._call(scat, bcast, sel_idx)
+            outs = self._call(_on(device, scat), bcast, None if sel_idx is None else device.to_device(sel_idx))
         else:
-            outs = self._sliced(scat, bcast, sel_idx, rows, num_slices)
+            outs = self._sliced(scat, bcast, sel_idx, rows, num_slices, device)
         n_out = self.n_out
         news = outs[n_out:]
         if self.update_vars:
@@ -104,15 +105,21 @@ class Replica:
             restore_interrupt(e)
             raise
 
-    def _sliced(self, scat, bcast, sel_idx, rows, num_slices):
+    def _sliced(self, scat, bcast, sel_idx, rows, num_slices, device):
         parts, weights = [], []
         for pa, pb in shards.pieces(rows, num_slices):
-            s = [x[pa:pb] for x in scat]
-            parts.append(self._call(s, bcast, None if sel_idx is None else sel_idx[pa:pb]))
+            s = _on(device, [x[pa:pb] for x in scat])
+            parts.append(self._call(s, bcast, None if sel_idx is None else device.to_device(sel_idx[pa:pb])))
             weights.append(pb - pa)
-        modes = list(self.modes) + list(self.update_modes)
         out = []
-        for i, mode in enumerate(modes):
-            vals = [p[i] for p in parts]
+        for i, mode in enumerate(self.modes):             # outputs: combined on the host
+            vals = [device.to_host(p[i]) for p in parts]
             out.append(vals[-1] if mode is None else combine(mode, vals, weights))
+        for i, mode in enumerate(self.update_modes, self.n_out):    # new values: on the device
+            vals = [p[i] for p in parts]
+            out.append(vals[-1] if mode is None else device.combine(mode, vals, weights))
         return out
+
+
+def _on(device, arrays):
+    return [device.to_device(a) for a in arrays]

@@ -256,7 +256,7 @@ class Session:
         self._collect_all(f"the interrupted previous command (before {what})")
         self.settle = (inf.seq, False)
 
-    def execute(self, name, args=(), local=None, master_first=False, what=None):
+    def execute(self, name, args=(), local=None, master_first=False, what=None, patient=False):
         """Run command ``name`` on every worker and ``local()`` in the master.
 
         Returns ``(local_result, {rank: worker_result})``.  A worker exception is raised as
@@ -264,7 +264,14 @@ class Session:
         raises WorkerDied/WorkerStopped/StallTimeout.  With ``master_first`` the master
         computes before the workers start (so that a JIT compile happens once and workers
         load it from the cache).  What ``local()`` or the workers leave pending is dropped
-        unless the caller then calls ``commit``."""
+        unless the caller then calls ``commit``.  ``patient`` (distribute, first calls: they
+        compile) waits without the session's timeout; stalls are still reported."""
+        if patient and self.waiter.timeout is not None:
+            saved, self.waiter.timeout = self.waiter.timeout, None
+            try:
+                return self.execute(name, args, local, master_first, what)
+            finally:
+                self.waiter.timeout = saved
         what = what or name
         ctx = self.ctx
         local_result = local_exc = None
@@ -400,7 +407,8 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
     Waiting for other ranks: a stopped or dead rank is reported at once; a wait longer than
     ``stall`` seconds (default: env ``SYNK_STALL``, else 60; 0 disables) prints a warning
     naming the ranks still owed; with ``timeout`` (default: env ``SYNK_TIMEOUT``, else none)
-    a wait that long raises ``StallTimeout`` and closes the session.  ``start_timeout``
+    a wait that long raises ``StallTimeout`` and closes the session (except in distribute()
+    and the first call of each function, which compile: they only warn).  ``start_timeout``
     bounds the workers' start-up.  ``mode`` (default: env ``SYNK_MODE``): PyTensor's
     compile mode for the ranks, None (numba) or "JAX"; GPUs always use JAX.
     Returns the number of ranks."""

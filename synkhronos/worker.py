@@ -60,7 +60,7 @@ def serve(cfg):
         fp = None
         try:
             ctx.settle(settle)
-            control.forget(forget)
+            ctx.forget(forget)
             if debug:
                 fp = fingerprint(seq, name, args, ctx.shareds)
             reply = ("ok", HANDLERS[name](ctx, *args))

@@ -722,6 +722,7 @@ def test_timeout_turns_a_stall_into_an_error(how, monkeypatch):
         monkeypatch.setenv("SYNK_TIMEOUT", "0.8")
     try:
         s = build("sleep", **kw)
+        assert s.f(np.arange(9.0)) == 36.0            # the first call (it compiles: no timeout)
         e, dt = raises_within(lambda: s.f(fs.with_trigger(np.ones(9), VICTIM, N)))
         record(f"call (timeout via {how})", "rank 2 busy 2 s", e, dt)
         assert isinstance(e, synk.StallTimeout) and e.ranks == (VICTIM,), repr(e)
@@ -729,6 +730,19 @@ def test_timeout_turns_a_stall_into_an_error(how, monkeypatch):
         assert f"rank(s) {VICTIM}" in str(e) and "timeout" in str(e)
         assert synk.session_info() is None
         assert_gone(s.prefix, s.pids.values())
+    finally:
+        synk.close()
+
+
+def test_timeout_spares_the_first_call():
+    """The first call of a function compiles (up to minutes for big graphs): the timeout does
+    not apply to it (nor to distribute), stall warnings do."""
+    try:
+        s = build("sleep", timeout=0.8, stall=0.5)
+        assert s.f(fs.with_trigger(np.ones(9), VICTIM, N)) == 8.0 + fs.TRIGGER     # 2 s, first call
+        assert tu.is_open()
+        e, dt = raises_within(lambda: s.f(fs.with_trigger(np.ones(9), VICTIM, N)))  # not the first
+        assert isinstance(e, synk.StallTimeout), repr(e)
     finally:
         synk.close()
 

@@ -324,6 +324,12 @@ def test_graph_errors():
         ops.broadcast(T.vector(), root=-1)
     with pytest.raises(TypeError, match="counts"):
         ops.reduce_scatter(T.vector(), counts=T.vector())
+    ops.check_backend("FAST_COMPILE")
+    ops.check_backend(None, types.SimpleNamespace(placement="host", kind="cpu"))
+    with pytest.raises(TypeError, match="JAXLinker"):
+        ops.check_backend("JAX")
+    with pytest.raises(TypeError, match="keeps arrays on 'device'"):
+        ops.check_backend(None, types.SimpleNamespace(placement="device", kind="jax"))
     f = pytensor.function([], ops.reduce_scatter(T.ones(3), counts=[1, 2]))
     with pytest.raises(ValueError, match="do not fit one rank"):
         f()

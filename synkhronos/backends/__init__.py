@@ -5,7 +5,10 @@ waiter) -> (control, comm)`` in a worker (``cfg`` is ``Planes.worker_config`` pl
 session's settings), ``remove(session)`` (free whatever the session left) and ``reap()``
 (remove what earlier sessions of this user left when all their processes were killed).
 
-``local``: the ranks of one host, POSIX shared memory for both planes."""
+``local``: the ranks of one host, POSIX shared memory for both planes.  When the device
+keeps arrays on itself (``placement == "device"``: the JAX device), the comm stack puts in
+front of the host collectives a host-staged path for device arrays and, where the device
+session uses them, XLA's own collectives (NCCL on GPUs): ``device_stack``."""
 from dataclasses import dataclass, field
 
 from . import shm
@@ -27,16 +30,24 @@ class _Local:
 
     @staticmethod
     def create(session):
+        if session.device.placement != "host":     # (may refuse: before anything is created)
+            session.device.plan_comm(session.master_rank)      # before its config() goes to workers
         prefix = shm.new_prefix()
         control = ShmControl(prefix, session.n, session.rank, session.master_rank, session.waiter, create=True)
-        comm = CommStack([ShmComm(prefix, session.rank, session.n, control, create=True)])
+        shm_comm = ShmComm(prefix, session.rank, session.n, control, create=True)
+        comm = device_stack(shm_comm, session.device, session.rank, session.n, session.master_rank, control)
         return Planes(control, comm, {"backend": "local", "prefix": prefix}, {"shm_prefix": prefix})
 
     @staticmethod
     def attach(cfg, rank, waiter):
         control = ShmControl(cfg["prefix"], cfg["n"], rank, cfg["master_rank"], waiter, create=False)
-        comm = CommStack([ShmComm(cfg["prefix"], rank, cfg["n"], control, create=False)])
-        return control, comm
+        shm_comm = ShmComm(cfg["prefix"], rank, cfg["n"], control, create=False)
+        device = cfg.get("device") or {"kind": "cpu"}
+        if device.get("kind", "cpu") != "cpu":
+            from ..device import make_device
+            device = make_device(device, cfg["n"])     # (what moves arrays; the worker builds its own)
+            return control, device_stack(shm_comm, device, rank, cfg["n"], cfg["master_rank"], control)
+        return control, CommStack([shm_comm])
 
     @staticmethod
     def remove(session):
@@ -52,6 +63,23 @@ class _Local:
     @staticmethod
     def reap():
         return reap_stale_sessions()
+
+
+def device_stack(shm_comm, device, rank, n, master_rank, control):
+    """The comm stack of a session: for a device that keeps arrays on itself, XLA's
+    collectives (if its session uses them), then the host-staged path, then the host."""
+    if getattr(device, "placement", "host") == "host":
+        return CommStack([shm_comm])
+    from .staged_comm import StagedComm
+    impls = []
+    front = None
+    if getattr(device, "xla", None):
+        from .xla_comm import XlaComm
+        front = XlaComm(rank, n, master_rank, control, shm_comm)
+        impls.append(front)
+    impls.append(StagedComm(shm_comm, device, getattr(device, "why_staged", None), front))
+    impls.append(shm_comm)
+    return CommStack(impls)
 
 
 local_backend = _Local()

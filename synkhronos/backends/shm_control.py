@@ -11,8 +11,8 @@ extra post can delay nobody and fool nobody:
 * barriers and votes are numbered ``seq * 4096 + step`` (``step`` counts the barriers and
   votes of one command), so that no arrival or vote of an aborted command can be taken for
   one of a later command;
-* ``ABORT_SEQ = seq`` aborts command ``seq``; ``DECISION`` holds the number of the last
-  vote the master committed."""
+* ``ABORT_SEQ = seq`` aborts command ``seq``; a vote commits once every rank has arrived
+  with "yes" (``VOTE[rank]``)."""
 import os
 import pickle
 import re
@@ -26,7 +26,7 @@ from ..control import Buffer, Control
 from ..errors import Aborted
 from .. import signals
 
-CMD_SEQ, ABORT_SEQ, MASTER_PID, DECISION = 0, 1, 2, 3
+CMD_SEQ, ABORT_SEQ, MASTER_PID = 0, 1, 2
 _BASE, _STRIDE = 8, 8              # per-rank fields, one cache line per rank
 GEN, REPLY_SEQ, ARRIVE, VOTE = 0, 1, 2, 3
 _STEP = 4096                       # barriers and votes per command at most
@@ -261,41 +261,34 @@ class ShmControl(Control):
             raise Aborted("another rank failed during this command")
 
     def vote(self, ok, on_commit=None):
+        """Every rank arrives with its vote; once all have arrived, each decides alike:
+        commit only if every vote is yes.  A rank that failed earlier and never arrives has
+        aborted the command, which ends the others' wait with "no".  Signals are held from
+        before a rank's own arrival to the end of the command, so no rank that voted yes can
+        be interrupted out of the commit that the others will make."""
         token = self._token()
+        signals.hold()                  # (may raise a pending interrupt: nothing decided yet)
         if self.n == 1:
-            if ok:
-                signals.hold()          # (may raise a pending interrupt: then nothing changed)
-                if on_commit is not None:
-                    on_commit()
+            if ok and on_commit is not None:
+                on_commit()
             return bool(ok)
-        if not self.is_master:
-            self._set(self.rank, VOTE, token if ok else -token)
-            self._post([self.master_rank])
-            if not ok:
-                return False
-            decided = lambda: int(self.ctrl[DECISION]) == token or self.aborted()  # noqa: E731
-            self.waiter.wait(decided, self._sleep, owed=lambda: [self.master_rank], what="a vote")
-            if int(self.ctrl[DECISION]) != token:   # a decision stands even if an abort follows
-                return False
-            if on_commit is not None:
-                on_commit()
-            return True
-        late = lambda: [r for r in self.workers if abs(self._get(r, VOTE)) != token]  # noqa: E731
-        try:
-            self.waiter.wait(lambda: self.aborted() or not late(), self._sleep, owed=late, what="a vote")
-            signals.hold()             # from the decision to the end of the command: no signal
-        except BaseException:
-            self.abort()
-            raise
-        commit = ok and not self.aborted() and all(self._get(r, VOTE) == token for r in self.workers)
-        if commit:
-            self.ctrl[DECISION] = token
-            self._post(self.workers)
-            if on_commit is not None:
-                on_commit()
-        else:
-            self.abort()
-        return commit
+        self._set(self.rank, VOTE, token if ok else -token)
+        self._post(self._others())
+        if not ok:
+            return False
+        late = lambda: [r for r in range(self.n) if abs(self._get(r, VOTE)) != token]  # noqa: E731
+
+        def ready():
+            if not late():
+                return True             # arrivals first: a later abort cannot undo them
+            return self.aborted()
+
+        self.waiter.wait(ready, self._sleep, owed=late, what="a vote")
+        if late() or any(self._get(r, VOTE) != token for r in range(self.n)):
+            return False
+        if on_commit is not None:
+            on_commit()
+        return True
 
     def view(self, handle, dtype, shape):
         seg = self.views.get(handle)

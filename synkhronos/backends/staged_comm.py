@@ -1,0 +1,88 @@
+"""Collectives of device arrays through the host: device -> host -> shared memory -> device.
+
+Wraps the host implementation (``ShmComm``) for every verb: each rank moves its arrays to
+the host (a view where the device is the CPU), runs the host collective, and moves the
+results back (copies: a device array never aliases the shared slots, which the next
+collective reuses).  The host collective is always fenced, since the results are read at
+once.  It serves whatever the device's own path (XLA's collectives: NCCL on GPUs) does not,
+and everything when that path is not available; on a GPU it says so, once per reason."""
+import sys
+
+from ..comm import Comm
+
+_warned = set()
+
+
+class StagedComm(Comm):
+    """``host``: the host comm of the same ranks; ``device``: moves arrays (``to_host``/
+    ``to_device``); ``why``: why the device's own collectives do not serve (for the
+    warning); ``front``: the device comm in front of this one, if any."""
+
+    name = "staged"
+
+    def __init__(self, host, device, why=None, front=None):
+        self.host, self.device, self.why, self.front = host, device, why, front
+        self.n = host.n
+        self.gpu = getattr(device, "platform", None) == "gpu"
+
+    def accepts(self, verb, dtype, op=None, placement="host"):
+        if placement != "device" or not self.host.accepts(verb, dtype, op, "host"):
+            return False
+        if self.gpu and verb not in ("shapes", "barrier"):
+            self._warn(verb, dtype, op)
+        return True
+
+    def _warn(self, verb, dtype, op):
+        if self.front is not None:
+            reason = (f"XLA's collectives (NCCL) serve only {', '.join(self.front.verbs)} of numeric dtypes, "
+                      f"not {verb} of {dtype}" + (f" with op {op}" if op else ""))
+        else:
+            reason = self.why or "NCCL is not available for this session"
+        if reason in _warned:
+            return
+        _warned.add(reason)
+        print(f"synkhronos: warning: collectives of GPU arrays go through host memory (GPU -> host -> shared "
+              f"memory -> GPU), not NCCL: {reason}", file=sys.stderr, flush=True)
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _h(self, arr):
+        return self.device.to_host(arr)
+
+    def _d(self, arrs):
+        return [self.device.to_device(a) for a in arrs]
+
+    # ---- verbs -------------------------------------------------------------------------------
+    def all_reduce(self, items, op, fence=True):
+        if self.n == 1:
+            return [a for _, a in items]     # device arrays are immutable: the value itself
+        return self._d(self.host.all_reduce([(k, self._h(a)) for k, a in items], op, fence=True))
+
+    def reduce(self, items, op, root, in_place=True, fence=True):
+        if self.n == 1 and in_place:
+            return [a for _, a in items]
+        res = self.host.reduce([(k, self._h(a)) for k, a in items], op, root, in_place=in_place, fence=True)
+        if res is None:
+            return None
+        return self._d(res) if in_place else res      # a result not installed stays on the host
+
+    def broadcast(self, items, root, fence=True):
+        if self.n == 1:
+            return self._d([a for _, a, _ in items])
+        hitems = [(k, None if a is None else self._h(a), dt) for k, a, dt in items]
+        return self._d(self.host.broadcast(hitems, root, fence=True))
+
+    def all_gatherv(self, items, fence=True):
+        return self._d(self.host.all_gatherv([(k, self._h(a)) for k, a in items], fence=True))
+
+    def gatherv(self, items, root, fence=True):
+        return self.host.gatherv([(k, self._h(a)) for k, a in items], root, fence=True)   # host copies
+
+    def reduce_scatter(self, items, op, fence=True, counts=None):
+        return self._d(self.host.reduce_scatter([(k, self._h(a)) for k, a in items], op, fence=True,
+                                                counts=counts))
+
+    def shapes(self, shapes):
+        return self.host.shapes(shapes)
+
+    def barrier(self):
+        self.host.barrier()

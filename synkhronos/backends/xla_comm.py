@@ -1,0 +1,261 @@
+"""Collectives of device arrays through XLA's own multi-process collectives: NCCL between
+GPUs, gloo on the CPU (where it is slower than shared memory: selected only by
+``SYNK_JAX_COMM=xla``, e.g. to test this path without a GPU).
+
+Every process (one per rank, all joined to ``jax.distributed`` by ``jax_device``) holds one
+device; a 1-D mesh over the ranks' devices, in rank order, makes the ranks' arrays the
+shards of one global array, and one jitted ``shard_map`` program per verb and signature
+runs the collective (``psum``/``pmax``/``pmin``, ``all_gather``).  Serves ``all_reduce``
+(sum, avg, max, min, prod), ``broadcast`` and ``all_gatherv`` of numeric dtypes; anything
+else goes to the next implementation (host-staged).
+
+Ranks first exchange their shapes through the host (unequal shapes raise ``ValueError`` on
+every rank alike, before XLA is involved: XLA would hang on them), then run the program and
+wait for it with the control plane's liveness checks (a lost peer can leave XLA waiting),
+then vote: results are returned only when every rank succeeded."""
+import numpy as np
+
+from .. import reductions as red
+from ..comm import Comm
+from ..errors import Aborted, MasterDied, StallTimeout
+from ..launcher import RankGone
+from . import jax_device as jd
+
+_KINDS = "fiu"          # floats, signed and unsigned ints (bool and complex: host-staged)
+
+
+class XlaComm(Comm):
+    name = "xla"
+    verbs = ("all_reduce", "broadcast", "all_gatherv")
+
+    def __init__(self, rank, n, master_rank, sync, host):
+        self.rank, self.n, self.master_rank = rank, n, master_rank
+        self.sync, self.host = sync, host
+        self.names = {}
+        self._mesh = None
+        self._fns = {}
+
+    def accepts(self, verb, dtype, op=None, placement="host"):
+        if placement != "device" or verb not in self.verbs or dtype is None:
+            return False
+        dt = np.dtype(dtype)
+        if dt.kind not in _KINDS or dt.itemsize > 8 or (dt.itemsize == 8 and not _x64()):
+            return False          # (without JAX's x64 mode, 64-bit values are not 64-bit on the device)
+        if verb == "all_reduce":
+            if op not in red.OPS:
+                return False
+            acc = red.accumulator(op, dt)
+            if acc.itemsize == 8 and not _x64():
+                return False      # the accumulator (float64 means of ints) needs JAX's x64 mode
+        return True
+
+    def setup(self, n_keys, names=None):
+        self.names = dict(names or {})
+
+    # ---- machinery -----------------------------------------------------------------------------
+    def _mesh_of(self):
+        if self._mesh is None:
+            import jax
+            from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+            jd._ensure()
+            by_process = {}
+            for d in jax.devices():
+                by_process.setdefault(d.process_index, d)
+            devs = [by_process[(r - self.master_rank) % self.n] for r in range(self.n)]
+            mesh = Mesh(np.array(devs), ("r",))
+            self._mesh = (mesh, NamedSharding(mesh, P("r")))
+        return self._mesh
+
+    def _global(self, x):
+        """This rank's array as its shard (leading axis of length 1) of the global array."""
+        import jax
+        mesh, sharding = self._mesh_of()
+        x = jd.to_device(x)
+        return jax.make_array_from_single_device_arrays((self.n,) + x.shape, sharding, [x.reshape((1,) + x.shape)])
+
+    def _program(self, key, body):
+        fn = self._fns.get(key)
+        if fn is None:
+            import jax
+            from jax.sharding import PartitionSpec as P
+            try:
+                from jax import shard_map
+            except ImportError:                        # JAX < 0.7
+                from jax.experimental.shard_map import shard_map
+            mesh, _ = self._mesh_of()
+            n_in = key[1]
+            fn = self._fns[key] = jax.jit(shard_map(body, mesh=mesh, in_specs=(P("r"),) * n_in,
+                                                    out_specs=(P(),) * len(key[2])))
+        return fn
+
+    def _run(self, key, body, args):
+        """Run the program on every rank, wait for it (liveness checked), vote; returns this
+        rank's results (device arrays)."""
+        ok, err, outs = True, None, None
+        try:
+            outs = self._program(key, body)(*args)
+            jd.wait_ready(outs, lambda ready, sleep: self.sync.waiter.wait(
+                ready, sleep, what="an XLA collective"), self.sync.aborted)
+            outs = [o.addressable_data(0) for o in outs]
+        except (Aborted, RankGone, MasterDied, StallTimeout):
+            raise                    # the control plane's own ways out
+        except Exception as e:       # this rank failed: every rank keeps its values
+            ok, err = False, e
+        if not self.sync.vote(ok):
+            if err is not None:
+                raise err
+            raise Aborted("another rank failed during this collective")
+        return outs
+
+    def _shapes(self, arrays):
+        return self.host.shapes([tuple(np.shape(a)) for a in arrays])
+
+    def _equal_shapes(self, keys, per, what):
+        for key, shapes in zip(keys, per):
+            if len(set(shapes)) > 1:
+                of = f" of {self.names[key]}" if key in self.names else ""
+                raise ValueError(f"{what}{of} needs the same shape on every rank, got {shapes} (by rank)")
+
+    # ---- verbs ---------------------------------------------------------------------------------
+    def all_reduce(self, items, op, fence=True):
+        if self.n == 1:
+            return [a for _, a in items]
+        keys = [k for k, _ in items]
+        arrays = [jd.to_device(a) for _, a in items]
+        self._equal_shapes(keys, self._shapes(arrays), "all_reduce")
+        sig = tuple((a.shape, str(a.dtype)) for a in arrays)
+        n = self.n
+
+        def body(*xs):
+            import jax
+            import jax.numpy as jnp
+            outs = []
+            for x in xs:
+                dt = x.dtype
+                acc = jnp.dtype(red.accumulator(op, np.dtype(dt)))
+                y = x[0].astype(acc)
+                if op in ("sum", "avg"):
+                    y = jax.lax.psum(y, "r")
+                elif op == "max":
+                    y = jax.lax.pmax(y, "r")
+                elif op == "min":
+                    y = jax.lax.pmin(y, "r")
+                else:                                           # prod: no product all-reduce in XLA
+                    g = jax.lax.all_gather(y, "r")
+                    y = g[0]
+                    for i in range(1, n):
+                        y = y * g[i]
+                if op == "avg":              # as reductions.finish
+                    if np.dtype(dt).kind in "iu":
+                        y = jnp.rint(y / jnp.asarray(n, acc))
+                    else:
+                        y = y * jnp.asarray(1.0 / n, acc)
+                outs.append(y.astype(dt))
+            return tuple(outs)
+        return self._run(("all_reduce", len(arrays), sig, op), body, [self._global(a) for a in arrays])
+
+    def broadcast(self, items, root, fence=True):
+        """``items``: ``(key, array, dtype)``, the array given on the root only.  Exact bits:
+        the root's value as unsigned integers, summed with zeros from the other ranks."""
+        if self.n == 1:
+            return [jd.to_device(np.asarray(a, dtype=dt)) for _, a, dt in items]
+        dtypes = [np.dtype(dt) for _, _, dt in items]
+        if self.rank == root:
+            arrays = [jd.to_device(np.asarray(a, dtype=dt) if not jd.is_device_array(a) else a)
+                      for (_, a, _), dt in zip(items, dtypes)]
+            shapes = self._shapes(arrays)
+        else:
+            shapes = self.host.shapes([()] * len(items))
+            arrays = None
+        root_shapes = [s[root] for s in shapes]
+        if arrays is None:
+            arrays = [_zeros(shape, dt) for shape, dt in zip(root_shapes, dtypes)]
+        sig = tuple((tuple(s), str(dt)) for s, dt in zip(root_shapes, dtypes))
+
+        def body(*xs):
+            import jax
+            import jax.numpy as jnp
+            outs = []
+            for x in xs:
+                dt = x.dtype
+                bits = jnp.dtype(f"uint{8 * np.dtype(dt).itemsize}")
+                u = jax.lax.bitcast_convert_type(x[0], bits)
+                is_root = jax.lax.axis_index("r") == root
+                u = jax.lax.psum(jnp.where(is_root, u, jnp.zeros_like(u)), "r")
+                outs.append(jax.lax.bitcast_convert_type(u, dt))
+            return tuple(outs)
+        return self._run(("broadcast", len(arrays), sig, root), body, [self._global(a) for a in arrays])
+
+    def all_gatherv(self, items, fence=True):
+        """Every rank gets the concatenation along axis 0 (rank order): arrays are padded to
+        the longest, gathered, and the padding dropped."""
+        keys = [k for k, _ in items]
+        arrays = [jd.to_device(a) for _, a in items]
+        if self.n == 1:
+            for key, a in zip(keys, arrays):
+                self._check_gather(key, [a.shape])
+            return arrays
+        per = self._shapes(arrays)
+        for key, shapes in zip(keys, per):
+            self._check_gather(key, shapes)
+        longest = [max(s[0] for s in shapes) for shapes in per]
+        padded = [_pad(a, m) for a, m in zip(arrays, longest)]
+        sig = tuple((tuple(tuple(s) for s in shapes), str(a.dtype)) for shapes, a in zip(per, arrays))
+        rows = [[s[0] for s in shapes] for shapes in per]
+
+        def body(*xs):
+            import jax
+            import jax.numpy as jnp
+            outs = []
+            for x, r in zip(xs, rows):
+                g = jax.lax.all_gather(x[0], "r")          # (n, longest, ...)
+                outs.append(jnp.concatenate([g[i, :r[i]] for i in range(len(r))], axis=0))
+            return tuple(outs)
+        return self._run(("all_gatherv", len(arrays), sig), body, [self._global(p) for p in padded])
+
+    def _check_gather(self, key, shapes):
+        if len(shapes[0]) == 0 or len({s[1:] for s in shapes}) > 1:
+            of = f" of {self.names[key]}" if key in self.names else ""
+            raise ValueError(f"all_gather{of} concatenates along axis 0 and needs equal trailing shapes "
+                             f"of at least 1 dimension; got {list(shapes)} (by rank)")
+
+    def shapes(self, shapes):
+        return self.host.shapes(shapes)
+
+    def barrier(self):
+        self.host.barrier()
+
+    def close(self):
+        jd.stop_distributed()
+
+
+def _x64():
+    try:
+        import jax
+        return bool(jax.config.jax_enable_x64)
+    except Exception:
+        return False
+
+
+_ZEROS = {}
+
+
+def _zeros(shape, dtype):
+    """A device array of zeros (cached: device arrays are immutable)."""
+    key = (tuple(shape), str(dtype))
+    z = _ZEROS.get(key)
+    if z is None:
+        import jax
+        import jax.numpy as jnp
+        jd._ensure()
+        z = _ZEROS[key] = jax.jit(lambda: jnp.zeros(key[0], key[1]))()    # made on the device
+        if len(_ZEROS) > 64:
+            _ZEROS.pop(next(iter(_ZEROS)))
+    return z
+
+
+def _pad(a, rows):
+    if a.shape[0] == rows:
+        return a
+    import jax.numpy as jnp
+    return jnp.concatenate([a, _zeros((rows - a.shape[0],) + tuple(a.shape[1:]), a.dtype)], axis=0)

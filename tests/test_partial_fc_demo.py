@@ -1,0 +1,31 @@
+"""demos/partial_fc.py, tiny, at 2 ranks: the class-sharded classifier trained with in-graph
+collectives ends where the serial full model ends (float64: to rounding), as a subprocess
+(its own session; the module's leak check covers it)."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(ROOT, "demos", "partial_fc.py")
+
+
+def test_partial_fc_matches_serial():
+    pytest.importorskip("sklearn")
+    cmd = [sys.executable, DEMO, "--n-parallel", "2", "--steps", "8", "--batch-size", "32",
+           "--hidden", "16", "--embed", "8", "--float64"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    out = proc.stdout
+    assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{out}\n{proc.stderr[-3000:]}"
+    assert "classes per rank [5, 5]" in out, out
+    assert re.search(r"identical on every rank: max spread 0\.0e\+00", out), out
+    m = re.search(r"RESULT: partial FC 2 rank\(s\), 10 classes, float64, 8 steps: test accuracy "
+                  r"([0-9.]+) \(serial ([0-9.]+)\); max \|parameter difference\| vs serial ([0-9.e+-]+)", out)
+    assert m, f"no RESULT line:\n{out}"
+    assert m.group(1) == m.group(2), out
+    assert float(m.group(3)) < 1e-12, out
+    loss = re.findall(r"final training loss ([0-9.]+) \(serial ([0-9.]+)\)", out)
+    assert loss and loss[0][0] == loss[0][1], out
