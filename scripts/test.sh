@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh test docs demos) and run the test suite. Extra args go to
+# Set up (scripts/setup.sh test docs demos jax) and run the test suite. Extra args go to
 # pytest. Slow tests are deselected unless -m is given or SYNK_SLOW=1.
+# Then the functional tests (marker "functional", see tests/conftest.py) run a second time
+# on PyTensor's JAX backend (SYNK_MODE=JAX); SYNK_JAX_PASS=0 skips that pass, and it is
+# skipped when -m is given.
 # Shared memory or processes left behind by the sessions of this run fail it.
 set -euo pipefail
 
@@ -8,7 +11,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 export PYTHONUNBUFFERED=1
 
-bash scripts/setup.sh test docs demos   # demos and docs are tested too
+bash scripts/setup.sh test docs demos jax   # demos, docs and the JAX backend are tested too
 
 args=("$@")
 have_m=0
@@ -32,6 +35,20 @@ rc=0
 if [[ $rc -eq 5 ]]; then
     echo "synkhronos test: pytest collected no tests (exit 5) -- treating as failure" >&2
     rc=1
+fi
+
+# second pass: the functional tests on PyTensor's JAX backend (CPU ranks)
+if [[ "${SYNK_JAX_PASS:-1}" != "0" && $have_m -eq 0 ]]; then
+    jmark="functional and not slow"
+    [[ "${SYNK_SLOW:-0}" == "1" ]] && jmark="functional"
+    echo "synkhronos test: functional tests again with SYNK_MODE=JAX (-m \"$jmark\")"
+    jstart=$SECONDS
+    jrc=0
+    SYNK_MODE=JAX .venv/bin/python -m pytest -m "$jmark" "$@" || jrc=$?
+    echo "synkhronos test: JAX pass took $((SECONDS - jstart)) s"
+    if [[ $jrc -ne 0 && $jrc -ne 5 ]]; then   # 5: the arguments selected no functional test
+        rc=$jrc
+    fi
 fi
 
 if ! .venv/bin/python scripts/leakcheck.py "$SYNK_PREFIX_LOG"; then

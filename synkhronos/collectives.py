@@ -15,7 +15,8 @@ import numpy as np
 
 from . import rankops, shards, signals
 from .data import Data, condition
-from .plans import ArrayRef, Rows, ScatterPlan, SetValuePlan
+from .errors import OutOfRange
+from .plans import ArrayRef, Rows, ScatterPlan, SetValuePlan, scatter_needs, set_value_needs
 from .rank import run_share
 from .reductions import OPS, check_mode
 from .session import get_session
@@ -120,7 +121,7 @@ def _staged(rt, arrs, kind="stage"):
     return refs
 
 
-def _exec(rt, op, vids, args=(), local_args=None, what=None):
+def _exec(rt, op, vids, args=(), local_args=None, what=None, needs=()):
     """Run rank op ``op`` on every rank; returns ``(master's result, {rank: result})``."""
     ctx = rt.ctx
     largs = args if local_args is None else local_args
@@ -130,7 +131,7 @@ def _exec(rt, op, vids, args=(), local_args=None, what=None):
             return run_share(ctx, local), {}
         finally:
             signals.release()
-    return rt.execute("coll", (op, vids, args), local, what=what or op)
+    return rt.execute("coll", (op, vids, args), local, what=what or op, needs=needs)
 
 
 def shapes_of(rt, vids):
@@ -245,7 +246,8 @@ def scatter(shared_vars, values, batch=None):
         elif sel is not None:
             base = sel[1]
         rows = tuple(Rows(kind, b, base, index) for b in bounds)
-        _exec(rt, "scatter", vids, (ScatterPlan(tuple(refs), rows),))
+        plan = ScatterPlan(tuple(refs), rows)
+        _exec(rt, "scatter", vids, (plan,), needs=lambda: scatter_needs(plan))
 
 
 def _scatter_bounds(rt, sel, length):
@@ -253,11 +255,11 @@ def _scatter_bounds(rt, sel, length):
         return shards.split(length, rt.n)
     if sel[0] == "range":
         if sel[2] > length:
-            raise IndexError(f"batch {sel[1]}:{sel[2]} is out of range for values of length {length}")
+            raise OutOfRange(f"batch {sel[1]}:{sel[2]} is out of range for values of length {length}")
         return shards.split(sel[2] - sel[1], rt.n, sel[1])
     idx = sel[1]
     if len(idx) and idx.max() >= length:
-        raise IndexError(f"batch index {idx.max()} is out of range for values of length {length}")
+        raise OutOfRange(f"batch index {idx.max()} is out of range for values of length {length}")
     return shards.split(len(idx), rt.n)
 
 
@@ -277,7 +279,7 @@ def set_value(rank, shared_vars, values, batch=None):
                     raise ValueError("batch needs values with at least 1 dimension")
                 top = shards.sel_max(sel)
                 if top > shape[0]:
-                    raise IndexError(f"batch selects row {top - 1} but the value has {shape[0]} rows")
+                    raise OutOfRange(f"batch selects row {top - 1} but the value has {shape[0]} rows")
                 shape = (shards.sel_length(sel, shape[0]),) + shape[1:]
             rankops.check_static(rt.shareds[vid], shape, "set_value")
         if rank == rt.rank:
@@ -291,7 +293,8 @@ def set_value(rank, shared_vars, values, batch=None):
             ref, arr = _scratch(rt, "index", 0, np.int64, sel[1].shape)
             np.copyto(arr, sel[1])
             sel = ("index", ref)
-        _exec(rt, "set_value", vids, (SetValuePlan(rank, tuple(refs), sel),))
+        plan = SetValuePlan(rank, tuple(refs), sel)
+        _exec(rt, "set_value", vids, (plan,), needs=lambda: set_value_needs(plan))
 
 
 def get_value(rank, shared_vars):

@@ -61,10 +61,18 @@ class Waiter:
         self.stall, self.timeout = stall, timeout
         self.stream = stream
         self.spin = self.SPIN
+        self.service = None          # called at every look (e.g. messages from other hosts)
 
     def wait(self, ready, sleep, owed=None, what="command", idle=False):
         """Return once ``ready()`` is true.  ``sleep(t)`` blocks at most ``t`` seconds (or
         until woken); ``owed()`` names the ranks still awaited (for messages)."""
+        if self.service is not None:
+            service = self.service
+            inner = ready
+
+            def ready():
+                service()
+                return inner()
         if ready():
             return
         end = time.perf_counter() + self.spin
@@ -130,8 +138,11 @@ class Control:
     waiter = None
 
     # ---- master --------------------------------------------------------------------------
-    def send(self, seq, message):
-        """Hand command ``seq`` to every worker and wake them."""
+    def send(self, seq, message, needs=()):
+        """Hand command ``seq`` to every worker and wake them.  ``needs`` (``plans.Need``, or
+        a function that makes them: only a plane that uses them pays for them): the master's
+        data the command's ranks read (a plane whose ranks cannot read the master's buffers
+        in place ships it to them)."""
         raise NotImplementedError
 
     def committed(self):

@@ -108,13 +108,17 @@ class CpuDevice(Device):
     def count():
         return usable_cores()
 
-    def __init__(self, n, **settings):
+    def __init__(self, n, local_n=None, **settings):
         super().__init__(n)
         self.cores = usable_cores()
-        self.threads = max(1, self.cores // n)
+        self.local_n = local_n or n          # the ranks that share this host's cores
+        self.threads = max(1, self.cores // self.local_n)
         self._limits = None
         self._saved_env = None
         self._numba_threads = None
+
+    def config(self):
+        return {"kind": self.kind, "local_n": self.local_n}
 
     def worker_env(self, rank):
         return {v: str(self.threads) for v in _THREAD_VARS}
@@ -153,6 +157,9 @@ class CpuDevice(Device):
             self._numba_threads = None
 
     def describe(self):
+        if self.local_n != self.n:
+            return f"{self.n} CPU ranks, {self.local_n} on this host's {self.cores} usable cores, " \
+                   f"{self.threads} thread(s) each"
         return f"{self.n} CPU ranks on {self.cores} usable cores, {self.threads} thread(s) each"
 
 
@@ -254,7 +261,7 @@ def _count_arg(n_parallel):
     return int(n_parallel)
 
 
-def select_device(n_parallel, use_gpu, mode=None):
+def select_device(n_parallel, use_gpu, mode=None, local_n=None):
     """Pick the device and the number of ranks, validating the request in the master.
 
     ``mode``: PyTensor's compile mode for the ranks; None is numba on CPU cores, "JAX"
@@ -273,7 +280,7 @@ def select_device(n_parallel, use_gpu, mode=None):
     cls = _device_class("jax" if jax_mode else "cpu")
     if n_parallel is None:
         n_parallel = CpuDevice.count()
-    return cls(n_parallel)
+    return cls(n_parallel) if local_n is None else cls(n_parallel, local_n=local_n)
 
 
 def _gpu_device(n_parallel):

@@ -75,6 +75,16 @@ class StallTimeout(RankLost):
                          f"{what}; the session was closed (call synk.fork() to start again).")
 
 
+class OutOfRange(IndexError, ValueError):
+    """An index or selector out of range.  An IndexError; also a ValueError, which the
+    original Synkhronos raised, so code written for it still catches it."""
+
+
+class BadArgument(TypeError, ValueError):
+    """An argument of the wrong kind.  A TypeError; also a ValueError, which the original
+    Synkhronos raised for some of these, so code written for it still catches it."""
+
+
 class ForeignSession(SynkError):
     """The session belongs to another process (this one was forked from it)."""
 

@@ -20,7 +20,8 @@ import numpy as np
 from . import shards
 from .commands import worker_command
 from .data import Data, condition
-from .plans import CallPlan, Rows, call_from_wire, call_to_wire
+from .errors import BadArgument, OutOfRange
+from .plans import CallPlan, Rows, call_from_wire, call_needs, call_to_wire
 from .progress import busy
 from .reductions import OUTPUT_MODES, check_mode, combine
 from .replica import Replica
@@ -174,9 +175,9 @@ class Function:
         for k, v in kwargs.items():
             i = self._names.get(k)
             if i is None:
-                raise TypeError(f"unknown input name {k!r}; inputs are named {list(self._names)}")
+                raise BadArgument(f"unknown input name {k!r}; inputs are named {list(self._names)}")
             if i < len(args) or vals[i] is not None:
-                raise TypeError(f"input {k!r} given twice")
+                raise BadArgument(f"input {k!r} given twice")
             vals[i] = v
         missing = [i for i, v in enumerate(vals) if v is None]
         if missing:
@@ -270,7 +271,7 @@ class Function:
             raise ValueError("batch selects rows of scattered inputs, but this function has none "
                              "(use batch_s for sliceable shareds)")
         if batch_s is not None and not self._sliceable:
-            raise ValueError("batch_s given but this function has no sliceable_shareds")
+            raise BadArgument("batch_s given but this function has no sliceable_shareds")
         sel_s = shards.normalize_batch_s(batch_s, self._rt.n)
         if any(v.ndim == 0 for v in values[:ns]):
             raise ValueError("scattered inputs must have at least 1 dimension (axis 0 is split)")
@@ -312,14 +313,14 @@ class Function:
             elif sel[0] == "range":
                 _, start, stop = sel
                 if full and stop > min(full):
-                    raise IndexError(f"batch {start}:{stop} is out of range for inputs of length {min(full)}")
+                    raise OutOfRange(f"batch {start}:{stop} is out of range for inputs of length {min(full)}")
                 total, base = stop - start, start
                 bounds = shards.split(total, n, start)
             else:
                 idx = sel[1]
                 total = len(idx)
                 if full and total and idx.max() >= min(full):
-                    raise IndexError(f"batch index {idx.max()} is out of range for inputs of length {min(full)}")
+                    raise OutOfRange(f"batch index {idx.max()} is out of range for inputs of length {min(full)}")
                 kind = "index"
                 bounds = shards.split(total, n)
                 st = self._stage_index(idx)
@@ -360,11 +361,13 @@ class Function:
             master_first = False
         what = f"call of function {self.name or replica.fid}"
         args = (wire,)
+        needs = lambda: call_needs(plan, ns)  # noqa: E731
         if variant in self._warm:
-            mine, theirs = rt.execute("call", args, local, master_first, what=what)
+            mine, theirs = rt.execute("call", args, local, master_first, what=what, needs=needs)
         else:                    # the first call compiles (numba JIT: up to a minute): say so
             with busy(f"synkhronos: first {what}: compiling (JIT) or loading it from the cache"):
-                mine, theirs = rt.execute("call", args, local, master_first, what=what, patient=True)
+                mine, theirs = rt.execute("call", args, local, master_first, what=what, patient=True,
+                                          needs=needs)
         self._warm.add(variant)
         return mine, theirs, arrays
 
@@ -388,7 +391,7 @@ class Function:
                                  "pass batch_s or make them equal")
             top = min(lens[r])
             if sel is not None and shards.sel_max(sel) > top:
-                raise IndexError(f"batch_s selects row {shards.sel_max(sel) - 1} on rank {r}, but its "
+                raise OutOfRange(f"batch_s selects row {shards.sel_max(sel) - 1} on rank {r}, but its "
                                  f"sliceable shareds have only {top} rows")
             rows_of.append(top if sel is None else shards.sel_length(sel, top))
             if bounds is not None:
@@ -411,7 +414,7 @@ class Function:
             raise ValueError(f"output_subset has repeated entries: {output_subset}")
         for i in output_subset:
             if not 0 <= i < n_out:
-                raise IndexError(f"output_subset entry {i} is out of range for {n_out} outputs")
+                raise OutOfRange(f"output_subset entry {i} is out of range for {n_out} outputs")
         return [int(i) for i in output_subset]
 
     def _master_has_rows(self, ns, bounds, sel_s):
@@ -456,8 +459,10 @@ class Function:
         return outs[0] if outs else []
 
     # ---- master-only conveniences --------------------------------------------------------------
-    def as_theano(self, *args, **kwargs):
-        """Call the function in the master only, as plain PyTensor (updates apply in the master)."""
+    def as_theano(self, *args, output_subset=None, **kwargs):
+        """Call the function in the master only, as plain PyTensor (updates apply in the
+        master).  ``output_subset`` as for a call."""
+        wanted = self._subset(output_subset)
         vals = self._order(args, kwargs)
         f = self._replica.f
         f.trust_input = False
@@ -469,6 +474,8 @@ class Function:
         for var, val in zip(self._replica.update_vars, outs[n_out:]):
             self._rt.device.set(var, val)
         outs = outs[:n_out]
+        if wanted is not None:
+            return [outs[i] for i in wanted]
         if self._return_list:
             return outs
         return outs[0] if outs else []
@@ -610,11 +617,14 @@ def _w_distribute(ctx, payload, n_keys):
 
 @worker_command("call")
 def _w_call(ctx, wire):
-    cached = ctx.call_cache.get(wire[0])     # per function: the last plan and its inputs
+    # the last plan of each function, with its inputs: views of the master's buffers, valid
+    # for as long as the buffers are (no batch index: its rows would be gathered copies)
+    cached = ctx.call_cache.get(wire[0])
     if cached is not None and cached[0] == wire:
         _, plan, scat, bcast = cached
     else:
         plan = call_from_wire(wire)
         scat, bcast = ctx.control.inputs(plan.inputs, ctx.replicas[plan.fid].n_scatter, plan.rows, ctx.rank)
-        ctx.call_cache[plan.fid] = (wire, plan, scat, bcast)
+        if plan.rows.kind == "range" and plan.sel_s is None:
+            ctx.call_cache[plan.fid] = (wire, plan, scat, bcast)
     return ctx.replicas[plan.fid].run(ctx, scat, bcast, plan)

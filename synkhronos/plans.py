@@ -61,3 +61,47 @@ class SetValuePlan(NamedTuple):
     rank: int
     values: tuple                 # ArrayRef per variable
     select: Optional[tuple]       # ("range", a, b) or ("index", ArrayRef) or None
+
+
+class Need(NamedTuple):
+    """Data a command's ranks read from a master's buffer: every rank all of ``ref``
+    (``rows`` None), or rank r its rows of it under ``rows``; only ``ranks`` when given.
+    What a control plane that spans hosts ships to each host (``backends.mpi``)."""
+    ref: ArrayRef
+    rows: Optional[Rows] = None
+    minibatch: bool = False
+    ranks: Optional[tuple] = None
+
+
+def call_needs(plan, n_scatter):
+    """What the ranks of a call read: their rows of the scattered inputs, all of the others."""
+    needs = []
+    rows = plan.rows
+    if rows.index is not None:
+        needs.append(Need(rows.index))
+    for i, ref in enumerate(plan.inputs):
+        if ref.handle is None:
+            continue
+        if i < n_scatter:
+            needs.append(Need(ref, rows, rows.minibatch[i]))
+        else:
+            needs.append(Need(ref))
+    return tuple(needs)
+
+
+def scatter_needs(plan):
+    needs = []
+    for ref, rows in zip(plan.values, plan.rows):
+        if rows.index is not None and Need(rows.index) not in needs:
+            needs.append(Need(rows.index))
+        if ref.handle is not None:
+            needs.append(Need(ref, rows))
+    return tuple(needs)
+
+
+def set_value_needs(plan):
+    needs = []
+    if plan.select is not None and plan.select[0] == "index":
+        needs.append(Need(plan.select[1], ranks=(plan.rank,)))
+    needs.extend(Need(ref, ranks=(plan.rank,)) for ref in plan.values if ref.handle is not None)
+    return tuple(needs)

@@ -8,6 +8,7 @@ new update values pending (``Rank.hold``) and returns its outputs with its row c
 import numpy as np
 
 from . import shards
+from .errors import OutOfRange
 from .reductions import combine
 from .signals import restore_interrupt
 
@@ -87,12 +88,12 @@ class Replica:
             return np.arange(local_len, dtype=np.int64)
         if sel[0] == "range":
             if sel[2] > local_len:
-                raise IndexError(f"batch_s slice {sel[1]}:{sel[2]} is out of range for rank {rank}'s "
+                raise OutOfRange(f"batch_s slice {sel[1]}:{sel[2]} is out of range for rank {rank}'s "
                                  f"sliceable shareds of length {local_len}")
             return np.arange(sel[1], sel[2], dtype=np.int64)
         idx = sel[1]
         if len(idx) and idx.max() >= local_len:
-            raise IndexError(f"batch_s index {idx.max()} is out of range for rank {rank}'s "
+            raise OutOfRange(f"batch_s index {idx.max()} is out of range for rank {rank}'s "
                              f"sliceable shareds of length {local_len}")
         return idx
 

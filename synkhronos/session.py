@@ -104,12 +104,16 @@ class Session:
         self._depth, self._owner = 0, None
         self.saved_signals = {}
         self.lengths = LengthCache()
+        self.closed_cleanly = False
+        self.mpi_hosts = None
 
     shareds = property(lambda self: self.ctx.shareds)
 
     # ---- life cycle ------------------------------------------------------------------------
     def start(self, timeout):
         self.info = self.backend.create(self)
+        if self.info.launcher is not None:
+            self.launcher = self.info.launcher
         self.ctx = Rank(self.rank, self.n, self.master_rank, self.device, self.info.control, self.info.comm)
         pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         cfg = dict(self.info.worker_config, n=self.n, master_rank=self.master_rank, master_pid=self.pid,
@@ -122,13 +126,15 @@ class Session:
             env.update(self.device.worker_env(r))
             # the session's names go through the environment, which only this user can read
             # (/proc/PID/environ), not the command line, which every user can
-            env["SYNK_WORKER_CONFIG"] = json.dumps(cfg)
+            rank_cfg = cfg if self.info.rank_config is None else dict(cfg, **self.info.rank_config(r))
+            env["SYNK_WORKER_CONFIG"] = json.dumps(rank_cfg)
             env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
             return env
 
         argv = lambda r: [sys.executable, "-P", "-m", "synkhronos.worker", json.dumps({"rank": r})]  # noqa: E731
         try:
-            self.launcher.start(self.ctx.control.workers, argv, env_for)
+            local = self.ctx.control.workers if self.info.local_workers is None else self.info.local_workers
+            self.launcher.start(local, argv, env_for)
             self.device.init_master(self.rank)
             start_waiter = Waiter(self._check, None, timeout)
             ctl = self.ctx.control
@@ -185,6 +191,7 @@ class Session:
                 self._finish_inflight("close")
                 self._send("quit", ())
                 self._collect_all("close")
+                self.closed_cleanly = True
             except BaseException:
                 pass
         self.launcher.stop(graceful)
@@ -222,14 +229,14 @@ class Session:
             raise RuntimeError("functions are not distributed yet: call synk.distribute() first")
 
     # ---- commands --------------------------------------------------------------------------
-    def _send(self, name, args):
+    def _send(self, name, args, needs=()):
         """Record, then send, command ``name``; returns its sequence number."""
         ctl = self.ctx.control
         seq = ctl.committed() + 1
         forget, self.forget = self.forget, []
         settle, self.settle = self.settle, None
         self.inflight = _Inflight(seq, ctl.workers, forget, settle)
-        ctl.send(seq, (name, args, forget, settle))
+        ctl.send(seq, (name, args, forget, settle), needs)
         self.commands_sent[name] = self.commands_sent.get(name, 0) + 1
         return seq
 
@@ -256,7 +263,7 @@ class Session:
         self._collect_all(f"the interrupted previous command (before {what})")
         self.settle = (inf.seq, False)
 
-    def execute(self, name, args=(), local=None, master_first=False, what=None, patient=False):
+    def execute(self, name, args=(), local=None, master_first=False, what=None, patient=False, needs=()):
         """Run command ``name`` on every worker and ``local()`` in the master.
 
         Returns ``(local_result, {rank: worker_result})``.  A worker exception is raised as
@@ -269,7 +276,7 @@ class Session:
         if patient and self.waiter.timeout is not None:
             saved, self.waiter.timeout = self.waiter.timeout, None
             try:
-                return self.execute(name, args, local, master_first, what)
+                return self.execute(name, args, local, master_first, what, needs=needs)
             finally:
                 self.waiter.timeout = saved
         what = what or name
@@ -289,7 +296,7 @@ class Session:
                 self.lengths.clear()          # a collective may change workers' lengths
             if self.debug:
                 fp = fingerprint(ctx.seq, name, args, ctx.shareds)
-            seq = self._send(name, args)
+            seq = self._send(name, args, needs)
             self.settle = (seq, False)
             if local is not None:
                 try:
@@ -421,14 +428,19 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
     timeout = _seconds(timeout, "timeout", "SYNK_TIMEOUT", None)
     if mode is None:
         mode = os.environ.get("SYNK_MODE") or None
-    device = select_device(n_parallel, use_gpu, mode)
+    backend, mpi_hosts = _backend_for(n_parallel, use_gpu)
+    if mpi_hosts is not None:
+        sizes = mpi_hosts[0]
+        device = select_device(sum(sizes), use_gpu, mode, local_n=sizes[0])
+    else:
+        device = select_device(n_parallel, use_gpu, mode)
     if isinstance(master_rank, (bool, np.bool_)) or not isinstance(master_rank, (int, np.integer)) \
             or not 0 <= master_rank < device.n:
         raise ValueError(f"master_rank must be an int in [0, {device.n - 1}], got {master_rank!r}")
     master_rank = int(master_rank)
-    from .backends import local_backend
-    local_backend.reap()
+    backend.reap()
     s = Session(device, master_rank, profile_workers, debug_enabled(debug), stall, timeout)
+    s.backend, s.mpi_hosts = backend, mpi_hosts
     _session = s
     try:
         s.start(start_timeout)
@@ -438,6 +450,22 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
     _exit_on_termination(s)
     print(f"Synkhronos: {device.describe()}, master rank {master_rank}.", flush=True)
     return device.n
+
+
+def _backend_for(n_parallel, use_gpu):
+    """(backend, hosts): ``mpi`` when this process is one of several started by mpiexec
+    (the other MPI processes serve as their hosts' agents: fork() never returns there)."""
+    from .backends import local_backend, mpi
+    if not mpi.launched():
+        return local_backend, None
+    w = mpi.world()
+    if w.rank != 0:
+        mpi.serve_host()                       # never returns: the process exits there
+    if use_gpu:
+        raise NotImplementedError("GPUs across several machines are not supported yet: use CPU ranks "
+                                  "(use_gpu=False) under mpiexec")
+    atexit.register(mpi.finish)
+    return mpi.mpi_backend, mpi.hosts(n_parallel if n_parallel is None else int(n_parallel))
 
 
 def _seconds(value, name, env, default):

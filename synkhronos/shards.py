@@ -5,6 +5,8 @@ ones on later ranks).  Selectors are validated here, in the master, before any w
 involved; every error says what was expected."""
 import numpy as np
 
+from .errors import OutOfRange
+
 
 def split(total, n, start=0):
     """Boundaries ``b`` (n+1 ints) so that rank r takes ``[b[r], b[r+1])`` of ``[start, start+total)``."""
@@ -24,7 +26,7 @@ def index_array(sel, what):
     if isinstance(sel, (list, tuple)) and all(is_int(i) for i in sel):
         vals = [int(i) for i in sel]          # mixed numpy int types would promote to float
         if vals and max(vals) > _INT64_MAX:
-            raise IndexError(f"{what} index {max(vals)} is out of range")
+            raise OutOfRange(f"{what} index {max(vals)} is out of range")
         sel = np.array(vals, dtype=np.int64)
     arr = np.asarray(sel)
     if arr.size == 0:
@@ -34,9 +36,9 @@ def index_array(sel, what):
     if arr.ndim != 1:
         raise ValueError(f"{what} index array must be 1-dimensional, got shape {arr.shape}")
     if arr.size and arr.dtype.kind == "u" and arr.max() > _INT64_MAX:
-        raise IndexError(f"{what} index {arr.max()} is out of range")
+        raise OutOfRange(f"{what} index {arr.max()} is out of range")
     if arr.size and arr.min() < 0:
-        raise IndexError(f"{what} has a negative index ({arr.min()}); indices must be in [0, length)")
+        raise OutOfRange(f"{what} has a negative index ({arr.min()}); indices must be in [0, length)")
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
@@ -46,7 +48,7 @@ def check_slice(sel, what):
     if sel.step is not None:
         raise ValueError(f"{what} slice may not have a step, got {sel}")
     if sel.start < 0 or sel.stop < sel.start:
-        raise IndexError(f"{what} slice must satisfy 0 <= start <= stop, got {sel}")
+        raise OutOfRange(f"{what} slice must satisfy 0 <= start <= stop, got {sel}")
     return int(sel.start), int(sel.stop)
 
 
@@ -56,7 +58,7 @@ def normalize_batch(batch):
         return None
     if is_int(batch):
         if batch < 0:
-            raise IndexError(f"batch as an int selects the first batch rows and must be >= 0, got {batch}")
+            raise OutOfRange(f"batch as an int selects the first batch rows and must be >= 0, got {batch}")
         return ("range", 0, int(batch))
     if isinstance(batch, slice):
         return ("range",) + check_slice(batch, "batch")

@@ -13,7 +13,7 @@ import sys
 import traceback
 
 from . import session, signals
-from .backends import BACKENDS
+from .backends import backend_named
 from .commands import HANDLERS, worker_command
 from .control import Waiter
 from .debug import fingerprint
@@ -30,7 +30,7 @@ def _quit(ctx):
 
 
 def serve(cfg):
-    backend = BACKENDS[cfg["backend"]]
+    backend = backend_named(cfg["backend"])
     rank = cfg["rank"]
     waiter = Waiter(master_watch(cfg["master_pid"]), None, None)   # the master watches for stalls
     control, comm = backend.attach(cfg, rank, waiter)

@@ -280,6 +280,24 @@ class TestCollectives:
             check(synk.get_value(r, u), arr, "float64")
         assert synk.get_lengths(u) == [7] * n
 
+    def test_scatter_values_of_different_lengths_split_each_on_its_own(self, S):
+        """As in the original (its MNIST demo scatters the training and validation sets in
+        one call): every value is split over the ranks by its own length."""
+        n = S.n
+        train = np.arange(11 * 3, dtype="float64").reshape(11, 3)
+        valid = -np.arange(4 * 3, dtype="float64").reshape(4, 3)
+        x = S.vs[("float64", 2)]
+        synk.scatter([S.u, x], [train, valid])
+        for var, arr in ((S.u, train), (x, valid)):
+            b = split(len(arr), n)
+            for r in range(n):
+                check(synk.get_value(r, var), arr[b[r]:b[r + 1]], "float64")
+        synk.scatter([S.u, x], [synk.data(train), valid], batch=[0, 2, 3])   # batch on both
+        for var, arr in ((S.u, train), (x, valid)):
+            b = split(3, n)
+            for r in range(n):
+                check(synk.get_value(r, var), arr[[0, 2, 3]][b[r]:b[r + 1]], "float64")
+
     def test_scatter_batch_and_data(self, S):
         u = S.u
         n = S.n
@@ -483,6 +501,16 @@ class TestCollectives:
         set_all(S, v, parts)
         synk.all_reduce(v, op="sum")
         check(synk.gather(v), np.stack([expected("sum", parts, "float32")] * S.n), "float32")
+
+    def test_not_a_shared_variable_message(self, S):
+        """A numpy array given for a shared variable: the message says what was expected and
+        shows the type and shape, never the values."""
+        arr = np.arange(100_000.0)
+        with pytest.raises(ValueError) as ei:
+            synk.all_reduce(arr)
+        msg = str(ei.value)
+        assert "expected a PyTensor shared variable" in msg and "ndarray of shape (100000,)" in msg
+        assert len(msg) < 400 and "99999" not in msg
 
     def test_unknown_variable_message_is_clear(self, S):
         with pytest.raises(ValueError) as e:

@@ -238,9 +238,22 @@ class TestInSession:
 
     def test_function_after_distribute(self, S):
         a = T.vector("a", dtype="float32")
-        with pytest.raises(RuntimeError, match="distribute"):
+        with pytest.raises(RuntimeError, match="distribute") as ei:
             synk.function([a], T.sum(a))
+        assert "before calling synk.distribute()" in str(ei.value)      # says what to do instead
         self.good_calls(S)
+
+    def test_wrong_ndim_names_the_input(self, S):
+        with pytest.raises(TypeError, match=r"input 0 \(xv\): wrong number of dimensions: expected 1, got 2"):
+            S.h(np.ones((2, 3), np.float32))
+
+    def test_original_module_paths_and_as_theano_subset(self, S):
+        import synkhronos.data_module as dm
+        import synkhronos.function_module as fm
+        assert fm.Function is synk.Function and dm.Data is synk.Data
+        assert isinstance(S.g1, fm.Function) and isinstance(synk.data(A), dm.Data)
+        both = S.f7.as_theano(A, B, output_subset=[0])
+        assert isinstance(both, list) and both[0] == pytest.approx(float(np.sum(A * B)), rel=1e-5)
 
     def test_distribute_twice(self, S):
         seq = tu.commands_sent()

@@ -5,6 +5,8 @@ waiter) -> (control, comm)`` in a worker (``cfg`` is ``Planes.worker_config`` pl
 session's settings), ``remove(session)`` (free whatever the session left) and ``reap()``
 (remove what earlier sessions of this user left when all their processes were killed).
 
+``mpi`` (``backends.mpi``): a session over several hosts, under ``mpiexec``.
+
 ``local``: the ranks of one host, POSIX shared memory for both planes.  When the device
 keeps arrays on itself (``placement == "device"``: the JAX device), the comm stack puts in
 front of the host collectives a host-staged path for device arrays and, where the device
@@ -23,6 +25,9 @@ class Planes:
     comm: object
     worker_config: dict = field(default_factory=dict)
     resources: dict = field(default_factory=dict)   # for diagnostics: what the session owns
+    launcher: object = None          # None: worker processes of this host (SubprocessLauncher)
+    local_workers: object = None     # ranks the launcher starts (None: control.workers)
+    rank_config: object = None       # rank -> what that worker's configuration adds
 
 
 class _Local:
@@ -31,7 +36,7 @@ class _Local:
     @staticmethod
     def create(session):
         if session.device.placement != "host":     # (may refuse: before anything is created)
-            session.device.plan_comm(session.master_rank)      # before its config() goes to workers
+            session.device.plan_comm(session.master_rank, session._check)   # before its config() goes out
         prefix = shm.new_prefix()
         control = ShmControl(prefix, session.n, session.rank, session.master_rank, session.waiter, create=True)
         shm_comm = ShmComm(prefix, session.rank, session.n, control, create=True)
@@ -84,3 +89,11 @@ def device_stack(shm_comm, device, rank, n, master_rank, control):
 
 local_backend = _Local()
 BACKENDS = {"local": local_backend}
+
+
+def backend_named(name):
+    """The backend a worker's configuration names (``mpi`` is imported only when used)."""
+    if name == "mpi":
+        from .mpi import mpi_backend
+        return mpi_backend
+    return BACKENDS[name]

@@ -39,7 +39,8 @@ from ..errors import MasterDied
 
 _MEM_VARS = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION",
              "XLA_PYTHON_CLIENT_ALLOCATOR")
-HEARTBEAT_S = 100            # jax.distributed heartbeat timeout (a lost process is noticed earlier)
+HEARTBEAT_S = 100            # jax.distributed heartbeat timeout (SYNK_JAX_HEARTBEAT; a lost rank is noticed
+                             # earlier by the launcher's liveness checks)
 _ALIGN = 64                  # JAX's CPU client uses host memory this aligned in place
 
 
@@ -53,6 +54,7 @@ class _Local:
         self.sharding = None
         self.gpu = False
         self.dist = None           # _Distributed while jax.distributed is up
+        self.alive = None          # raises when the other processes' side is gone (while waiting)
         self.fast_put = None       # low-level explicit host -> device transfer, if available
 
 
@@ -71,8 +73,11 @@ def jax_started():
 
 
 def _configure(platform, gpu=None, gloo=False):
-    """JAX's configuration for this process, before its backends start (later: no effect)."""
+    """JAX's configuration for this process, before its backends start (later: no effect).
+    PyTensor's JAX backend sets JAX's x64 mode from ``floatX`` when it is first imported:
+    imported here, so that every process has the same mode before its first array."""
     import jax
+    import pytensor.link.jax.dispatch  # noqa: F401
     if jax_started():
         return
     jax.config.update("jax_platforms", "cpu" if platform == "cpu" else "cuda,cpu")
@@ -92,7 +97,7 @@ def _ensure():
     if _local.dev is None:
         dist = _local.dist
         if dist is not None:
-            dist.wait_connected()
+            dist.wait_ready(_local.alive)
         import jax
         from jax.sharding import SingleDeviceSharding
         dev = jax.local_devices()[0]
@@ -118,9 +123,17 @@ def _fast_put_impl():
     except Exception:
         return None
 
+    avals = {}
+
     def put(x, sharding, dev):
+        key = (x.shape, x.dtype)
+        aval = avals.get(key)
+        if aval is None:
+            if len(avals) > 256:
+                avals.clear()
+            aval = avals[key] = aval_of(x.shape, x.dtype)
         with scope():
-            return bdp(aval_of(x.shape, x.dtype), sharding, [x], [dev], True)
+            return bdp(aval, sharding, [x], [dev], True)
     try:
         import jax
         probe = np.zeros(2, np.float32)
@@ -172,7 +185,8 @@ def to_device(arr):
             x = x.astype(canon)
     if not _local.gpu:
         # the CPU client would use 64-byte aligned memory in place: give it a private copy
-        x = _aligned_copy(x)
+        # (small: numpy's own; large: aligned, so that it is used in place, one copy in all)
+        x = np.array(x, copy=True, order="C") if x.nbytes < (256 << 10) else _aligned_copy(x)
     elif not x.flags.c_contiguous:
         x = np.ascontiguousarray(x)
     out = put(x, _local.sharding, dev) if put is not None else jax.device_put(x, dev)
@@ -195,63 +209,83 @@ def to_host(arr):
 
 class _Distributed:
     """``jax.distributed`` set up as JAX's own ``initialize`` does, except that the client's
-    error callback records errors instead of terminating the process, and that the
-    master's client connects in a thread (``connect`` blocks until every process has
-    connected: the master meanwhile waits for its workers with its liveness checks)."""
+    error callback records errors instead of terminating the process, and that a thread
+    connects and then starts JAX's backend: ``connect`` blocks until every process has
+    connected, and a backend's start exchanges its devices with every other process, so
+    all processes must do both at the same time, while their main threads go on (the
+    master waits for its workers with its liveness checks).  ``wait_ready`` joins."""
 
     def __init__(self, address, n, pid, timeout):
         self.address, self.n, self.pid, self.timeout = address, n, pid, timeout
         self.service = self.client = None
         self.errors = []
-        self.done = threading.Event()
+        self.connected = threading.Event()
+        self.ready = threading.Event()
         self.failure = None
 
     def _on_error(self, *args):
         self.errors.append(" ".join(str(a) for a in args))
 
-    def start(self, background):
+    def start(self):
         from jax._src import distributed as jd
-        from jax._src.lib import _jax
+        try:
+            from jax._src.lib import _jax
+        except ImportError:                        # older jaxlib
+            from jax._src.lib import xla_extension as _jax
         st = jd.global_state
         if st.client is not None or st.service is not None:
             raise RuntimeError("jax.distributed is already initialised in this process; synkhronos sets it "
                                "up itself for XLA's collectives (or set SYNK_JAX_COMM=staged)")
         timeout = max(10, int(self.timeout or 300))
+        hb = _heartbeat()
         if self.pid == 0:
-            self.service = _jax.get_distributed_runtime_service(
-                self.address, self.n, heartbeat_timeout=HEARTBEAT_S, shutdown_timeout=5, recoverable=True)
-        self.client = _jax.get_distributed_runtime_client(
-            self.address, self.pid, init_timeout=timeout, shutdown_timeout=5, heartbeat_timeout=HEARTBEAT_S,
-            missed_heartbeat_callback=self._on_error, shutdown_on_destruction=False, use_compression=True)
+            self.service = _call_with_fallbacks(
+                _jax.get_distributed_runtime_service, (self.address, self.n),
+                dict(heartbeat_timeout=hb, shutdown_timeout=5, recoverable=True), ("recoverable",))
+        # our callback: connect failures become exceptions (JAX's default ends the process)
+        self.client = _call_with_fallbacks(
+            _jax.get_distributed_runtime_client, (self.address, self.pid),
+            dict(init_timeout=timeout, shutdown_timeout=5, heartbeat_timeout=hb,
+                 missed_heartbeat_callback=self._on_error, shutdown_on_destruction=False, use_compression=True),
+            ("use_compression", "shutdown_on_destruction", "missed_heartbeat_callback"))
         _local.dist = self
-        if background:
-            threading.Thread(target=self._connect, name="synk-jax-connect", daemon=True).start()
-        else:
-            self._connect()
+        threading.Thread(target=self._run, name="synk-jax-distributed", daemon=True).start()
 
-    def _connect(self):
+    def _run(self):
         try:
             self.client.connect()
-        except BaseException as e:        # noqa: BLE001 - reported by wait_connected
-            self.failure = e
-        finally:
-            self.done.set()
-
-    def wait_connected(self, alive=None):
-        """Block until connected (``alive()`` raises when the other side is gone)."""
-        while not self.done.wait(0.1):
-            if alive is not None:
-                alive()
-        if self.failure is not None:
-            raise RuntimeError(f"synkhronos: jax.distributed could not connect process {self.pid} of {self.n} "
-                               f"to {self.address}: {self.failure}") from self.failure
-        from jax._src import distributed as jd
-        st = jd.global_state
-        if st.client is None:
+            from jax._src import distributed as jd
+            st = jd.global_state
             st.service, st.client = self.service, self.client
             st.coordinator_address, st.num_processes, st.process_id = self.address, self.n, self.pid
             if hasattr(st, "partition_index"):
                 st.partition_index = None
+            self.connected.set()
+            import jax
+            jax.local_devices()            # the backend (its devices exchanged with every process)
+        except BaseException as e:        # noqa: BLE001 - reported by wait_*
+            self.failure = e
+        finally:
+            self.connected.set()
+            self.ready.set()
+
+    def _wait(self, event, alive, what):
+        while not event.wait(0.1):
+            if alive is not None:
+                alive()
+        if self.failure is not None:
+            raise RuntimeError(f"synkhronos: jax.distributed: process {self.pid} of {self.n} could not {what} "
+                               f"({self.address}): {self.failure}"
+                               + (f"; {'; '.join(self.errors)}" if self.errors else "")) from self.failure
+
+    def wait_connected(self, alive=None):
+        """Block until every process has connected (``alive()`` raises when the other side
+        is gone)."""
+        self._wait(self.connected, alive, "connect")
+
+    def wait_ready(self, alive=None):
+        """Block until JAX's backend is up in this process."""
+        self._wait(self.ready, alive, "start JAX's backend")
 
     def stop(self):
         """Disconnect (and stop the service, in the master).  Errors are ignored: the other
@@ -265,7 +299,7 @@ class _Distributed:
                 st.client = st.service = None
         except Exception:
             pass
-        if self.client is not None and self.done.is_set() and self.failure is None:
+        if self.client is not None and self.connected.is_set() and self.failure is None:
             try:
                 self.client.shutdown()
             except Exception:
@@ -277,6 +311,28 @@ class _Distributed:
             except Exception:
                 pass
             self.service = None
+
+
+def _call_with_fallbacks(fn, args, kwargs, optional):
+    """``fn(*args, **kwargs)``, dropping the ``optional`` keywords (in order) that this JAX
+    version does not take."""
+    kwargs = dict(kwargs)
+    for drop in (None,) + tuple(optional):
+        if drop is not None:
+            kwargs.pop(drop, None)
+        try:
+            return fn(*args, **kwargs)
+        except TypeError as e:
+            last = e
+    raise last
+
+
+def _heartbeat():
+    raw = os.environ.get("SYNK_JAX_HEARTBEAT", "").strip()
+    try:
+        return max(1, int(float(raw))) if raw else HEARTBEAT_S
+    except ValueError:
+        raise ValueError(f"SYNK_JAX_HEARTBEAT={raw!r} must be a number of seconds") from None
 
 
 def stop_distributed():
@@ -375,6 +431,7 @@ class JaxDevice(Device):
         self.floatX = floatX
         self.why_staged = why_staged       # why collectives of device arrays go through the host
         self.master_rank = None
+        self.alive = None
         self._cpu = None
         self._saved_env = None
 
@@ -384,11 +441,13 @@ class JaxDevice(Device):
                 "why_staged": self.why_staged}
 
     # ---- the session's collectives (decided in the master, before workers start) -------------
-    def plan_comm(self, master_rank, timeout=None):
+    def plan_comm(self, master_rank, alive=None, timeout=None):
         """Decide how collectives of device arrays run: True for XLA's collectives (sets up
         what every process needs to join ``jax.distributed``), False for the host-staged
-        path (``why_staged`` says why)."""
+        path (``why_staged`` says why).  ``alive()`` raises when a worker is gone (the
+        master checks it while it waits for JAX's start)."""
         self.master_rank = master_rank
+        self.alive = alive
         try:
             import pytensor
             self.floatX = pytensor.config.floatX
@@ -465,12 +524,14 @@ class JaxDevice(Device):
             if jax_started():
                 _warn_started_master(self.gpus[rank])
         _configure(self.platform, gpu, gloo=self.xla is not None)
+        _close_before_jax_exits()
         if self.xla is not None:
-            d = _Distributed(self.xla["address"], self.n, self.process_id(rank), self.xla.get("timeout"))
-            d.start(background=True)
+            _local.alive = self.alive
+            _Distributed(self.xla["address"], self.n, self.process_id(rank), self.xla.get("timeout")).start()
 
     def release_master(self):
         stop_distributed()
+        _local.alive = None
         if self._cpu is not None:
             self._cpu.release_master()
         if self._saved_env is not None:
@@ -488,15 +549,17 @@ class JaxDevice(Device):
                 pytensor.config.floatX = self.floatX
         _configure(self.platform, None, gloo=self.xla is not None)
         if self.xla is not None:
-            d = _Distributed(self.xla["address"], self.n, self.process_id(rank), self.xla.get("timeout"))
-            d.start(background=True)
             master_pid = self.xla["master_pid"]
 
             def alive():
                 if os.getppid() != master_pid:
                     raise MasterDied("master process is gone")
-            d.wait_connected(alive)
-        _ensure()
+            _local.alive = alive
+            d = _Distributed(self.xla["address"], self.n, self.process_id(rank), self.xla.get("timeout"))
+            d.start()
+            d.wait_connected(alive)    # (its backend starts meanwhile, with the master's: see _Distributed)
+        else:
+            _ensure()
 
     # ---- compiling -------------------------------------------------------------------------
     def compile(self, inputs, outputs, givens=None, **kwargs):
@@ -511,12 +574,13 @@ class JaxDevice(Device):
         _ensure()
         from .jax_ops import declared
         fn = pytensor.function(inputs, declared(outputs), givens=givens, mode=mode, **kwargs)
-        fn.trust_input = True
-        return fn
+        return self.adopt(fn)
 
     def adopt(self, fn):
         _ensure()
         fn.trust_input = True
+        for var in fn.get_shared():          # shared values move to the device now, explicitly
+            self.get(var)
         return fn
 
     # ---- values ----------------------------------------------------------------------------
@@ -555,6 +619,25 @@ class JaxDevice(Device):
         comm = "XLA gloo collectives" if self.xla else "shared-memory collectives"
         return (f"{self.n} JAX CPU rank(s) on {self.cores} usable cores, {self.threads} thread(s) each, "
                 f"{comm}")
+
+
+_atexit_done = False
+
+
+def _close_before_jax_exits():
+    """At exit, close the session before JAX's own exit handler (registered when JAX was
+    imported, so it would run first) clears the backends and leaves jax.distributed under
+    the running workers."""
+    global _atexit_done
+    if _atexit_done:
+        return
+    import atexit
+
+    def close():
+        from .. import session
+        session.close()
+    atexit.register(close)
+    _atexit_done = True
 
 
 def _warn_started_master(gpu):

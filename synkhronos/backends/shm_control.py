@@ -28,7 +28,7 @@ from .. import signals
 
 CMD_SEQ, ABORT_SEQ, MASTER_PID = 0, 1, 2
 _BASE, _STRIDE = 8, 8              # per-rank fields, one cache line per rank
-GEN, REPLY_SEQ, ARRIVE, VOTE = 0, 1, 2, 3
+GEN, REPLY_SEQ, ARRIVE, VOTE, HOST_ARRIVE = 0, 1, 2, 3, 4
 _STEP = 4096                       # barriers and votes per command at most
 _ALIGN = 64
 _HDR = struct.Struct("<qQQ")       # seq, pickle length, number of out-of-band buffers
@@ -131,14 +131,30 @@ class ShmBuffer(Buffer):
         self.seg.unlink()
 
 
-class ShmControl(Control):
-    """Commands, replies, barriers and votes among the ranks of one host."""
+def mirror_name(prefix, handle):
+    """The name, in the session ``prefix`` of another host, of its copy of ``handle``."""
+    return f"{prefix}_x{handle.lstrip('/')[len('synk_'):]}"
 
-    def __init__(self, prefix, n, rank, master_rank, waiter, create):
+
+class ShmControl(Control):
+    """Commands, replies, barriers and votes among the ranks of one host.
+
+    ``n`` slots: by default every slot is a rank ("member") and slot ``master_rank`` sends
+    the commands.  A host of a multi-host session adds a ``lead`` slot: the one through
+    which the rest of the session takes part in this host's barriers and votes (its
+    arrivals and votes are written by ``backends.mpi``); ``members`` are then the slots of
+    the host's ranks.  ``mirror``: buffer handles name another host's buffers, which this
+    host holds copies of (``mirror_name``)."""
+
+    def __init__(self, prefix, n, rank, master_rank, waiter, create, members=None, lead=None, mirror=False):
         self.prefix, self.n, self.rank, self.master_rank = prefix, n, rank, master_rank
         self.is_master = rank == master_rank
         self.waiter = waiter
-        self.workers = tuple(r for r in range(n) if r != master_rank)
+        self.members = tuple(range(n)) if members is None else tuple(members)
+        self.lead = lead
+        self.sync_slots = self.members + (() if lead is None or lead in self.members else (lead,))
+        self.mirror = mirror
+        self.workers = tuple(r for r in self.members if r != master_rank)
         self.ctrl_seg = shm.Segment(prefix + "_ctrl", ctrl_size(n) * 8, create=create)
         self.ctrl = self.ctrl_seg.array(np.int64, (ctrl_size(n),))
         if create:
@@ -187,8 +203,11 @@ class ShmControl(Control):
     def _others(self):
         return [r for r in range(self.n) if r != self.rank]
 
+    def _sync_others(self):
+        return [r for r in self.sync_slots if r != self.rank]
+
     # ---- master --------------------------------------------------------------------------
-    def send(self, seq, message):
+    def send(self, seq, message, needs=()):
         self.mailbox.write(seq, message)
         self.ctrl[CMD_SEQ] = seq            # the commit point: from here on workers see it
         self.begin(seq)
@@ -242,12 +261,12 @@ class ShmControl(Control):
         return self.seq * _STEP + self.step
 
     def barrier(self, check_after=True):
-        if self.n == 1:
+        if len(self.sync_slots) == 1:
             return
         token = self._token()
         self._set(self.rank, ARRIVE, token)
-        self._post(self._others())
-        late = lambda: [r for r in range(self.n) if self._get(r, ARRIVE) < token]  # noqa: E731
+        self._post(self._sync_others())
+        late = lambda: [r for r in self.sync_slots if self._get(r, ARRIVE) < token]  # noqa: E731
 
         def ready():
             if not late():
@@ -260,6 +279,24 @@ class ShmControl(Control):
         if check_after and self.aborted():
             raise Aborted("another rank failed during this command")
 
+    def host_barrier(self):
+        """The ranks of this host meet (not the rest of a multi-host session)."""
+        if len(self.members) == 1:
+            return
+        token = self._token()
+        self._set(self.rank, HOST_ARRIVE, token)
+        self._post([r for r in self.members if r != self.rank])
+        late = lambda: [r for r in self.members if self._get(r, HOST_ARRIVE) < token]  # noqa: E731
+
+        def ready():
+            if not late():
+                return True
+            if self.aborted():
+                raise Aborted("another rank failed during this command")
+            return False
+
+        self.waiter.wait(ready, self._sleep, owed=late, what="a barrier")
+
     def vote(self, ok, on_commit=None):
         """Every rank arrives with its vote; once all have arrived, each decides alike:
         commit only if every vote is yes.  A rank that failed earlier and never arrives has
@@ -268,15 +305,15 @@ class ShmControl(Control):
         be interrupted out of the commit that the others will make."""
         token = self._token()
         signals.hold()                  # (may raise a pending interrupt: nothing decided yet)
-        if self.n == 1:
+        if len(self.sync_slots) == 1:
             if ok and on_commit is not None:
                 on_commit()
             return bool(ok)
         self._set(self.rank, VOTE, token if ok else -token)
-        self._post(self._others())
+        self._post(self._sync_others())
         if not ok:
             return False
-        late = lambda: [r for r in range(self.n) if abs(self._get(r, VOTE)) != token]  # noqa: E731
+        late = lambda: [r for r in self.sync_slots if abs(self._get(r, VOTE)) != token]  # noqa: E731
 
         def ready():
             if not late():
@@ -284,7 +321,7 @@ class ShmControl(Control):
             return self.aborted()
 
         self.waiter.wait(ready, self._sleep, owed=late, what="a vote")
-        if late() or any(self._get(r, VOTE) != token for r in range(self.n)):
+        if late() or any(self._get(r, VOTE) != token for r in self.sync_slots):
             return False
         if on_commit is not None:
             on_commit()
@@ -293,7 +330,7 @@ class ShmControl(Control):
     def view(self, handle, dtype, shape):
         seg = self.views.get(handle)
         if seg is None:
-            seg = self.views[handle] = shm.Segment(handle)
+            seg = self.views[handle] = shm.Segment(mirror_name(self.prefix, handle) if self.mirror else handle)
         return seg.array(dtype, shape)
 
     def forget(self, handles):

@@ -83,14 +83,18 @@ class XlaComm(Comm):
             except ImportError:                        # JAX < 0.7
                 from jax.experimental.shard_map import shard_map
             mesh, _ = self._mesh_of()
-            n_in = key[1]
-            fn = self._fns[key] = jax.jit(shard_map(body, mesh=mesh, in_specs=(P("r"),) * n_in,
-                                                    out_specs=(P(),) * len(key[2])))
+            specs = dict(mesh=mesh, in_specs=(P("r"),) * key[1], out_specs=(P(),) * len(key[2]))
+            try:      # results are replicated by construction (a gather's static slices are too)
+                mapped = shard_map(body, check_vma=False, **specs)
+            except TypeError:                          # older JAX
+                mapped = shard_map(body, check_rep=False, **specs)
+            fn = self._fns[key] = jax.jit(mapped)
         return fn
 
-    def _run(self, key, body, args):
-        """Run the program on every rank, wait for it (liveness checked), vote; returns this
-        rank's results (device arrays)."""
+    def _run(self, key, body, args, vote=True):
+        """Run the program on every rank, wait for it (liveness checked), vote (unless the
+        caller does: ``all_gatherv``, as with the host implementation); returns this rank's
+        results (device arrays)."""
         ok, err, outs = True, None, None
         try:
             outs = self._program(key, body)(*args)
@@ -100,8 +104,10 @@ class XlaComm(Comm):
         except (Aborted, RankGone, MasterDied, StallTimeout):
             raise                    # the control plane's own ways out
         except Exception as e:       # this rank failed: every rank keeps its values
+            if not vote:
+                raise
             ok, err = False, e
-        if not self.sync.vote(ok):
+        if vote and not self.sync.vote(ok):
             if err is not None:
                 raise err
             raise Aborted("another rank failed during this collective")
@@ -211,7 +217,7 @@ class XlaComm(Comm):
                 g = jax.lax.all_gather(x[0], "r")          # (n, longest, ...)
                 outs.append(jnp.concatenate([g[i, :r[i]] for i in range(len(r))], axis=0))
             return tuple(outs)
-        return self._run(("all_gatherv", len(arrays), sig), body, [self._global(p) for p in padded])
+        return self._run(("all_gatherv", len(arrays), sig), body, [self._global(p) for p in padded], vote=False)
 
     def _check_gather(self, key, shapes):
         if len(shapes[0]) == 0 or len({s[1:] for s in shapes}) > 1:

@@ -1,0 +1,351 @@
+"""Checks and measurements of the JAX device (GPU ranks, or CPU ranks where there is no GPU),
+run by ``benchmarks/gpu_check.sh``.  Every measurement runs in its own master process (XLA's
+collectives need ``jax.distributed`` set up before any JAX use in the master).
+
+* ``overhead``: function throughput, synkhronos n=1 against plain PyTensor JAX on the same
+  device (goal >= 0.95x): a tiny function (per-call overhead) and an MLP training step.
+* ``allreduce``: ``synk.all_reduce`` (float32, sum) from 1 MB up to ``--max-mb`` (and 4 KB
+  latency): n=1; n=2 through XLA's collectives (NCCL; on the CPU gloo) where each rank has
+  its own device; n=2 through the host (staged), on one GPU (``SYNK_GPUS=0,0``) or the CPU.
+  Bus bandwidth as nccl-tests: bytes * 2(n-1)/n / time.
+* ``demos``: training-step time of the CNN and ResNet demos' models (``demos/layers.py``),
+  synkhronos n=1 against the same compiled graphs called as plain PyTensor JAX in the master
+  (``TrainFunction.serial``), on the same device.
+
+Usage: python benchmarks/gpu_check.py [all|overhead|allreduce|demos] [--quick] [--max-mb N]
+Prints tables; writes benchmarks/results/gpu_check_<gpu|cpu>.json."""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+KB, MB = 1 << 10, 1 << 20
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+def platform():
+    sys.path.insert(0, ROOT)
+    from synkhronos.device import gpu_backend_missing, gpu_count, visible_gpus
+    n = gpu_count()
+    return ("gpu" if n else "cpu"), n, visible_gpus(), gpu_backend_missing()
+
+
+def median_time(fn, reps, warm=3):
+    for _ in range(warm):
+        fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def best_of_rounds(fns, reps, rounds):
+    """Per function, the best over ``rounds`` of its median call time; each round runs the
+    functions in turn, in alternating order (ABBA: drift from other programs' load on a
+    shared machine hits both alike; the best round is the least disturbed)."""
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    out = {k: float("inf") for k in fns}
+    keys = list(fns)
+    for r in range(rounds):
+        for k in (keys if r % 2 == 0 else keys[::-1]):
+            out[k] = min(out[k], median_time(fns[k], reps, warm=1))
+    return out
+
+
+def child(what, args, env=None, timeout=1800):
+    """Run ``what`` in a fresh master process; returns its RESULT dict (or an error dict)."""
+    e = dict(os.environ)
+    e.pop("SYNK_MODE", None)
+    e.update(env or {})
+    cmd = [sys.executable, os.path.abspath(__file__), "_child", what, json.dumps(args)]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, env=e, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    for line in reversed(p.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = (p.stderr or "").strip().splitlines()[-15:]
+    return {"error": f"exit {p.returncode}: " + " | ".join(tail)}
+
+
+def fork(n, plat):
+    import synkhronos as synk
+    return synk.fork(n, mode="JAX", use_gpu=(plat == "gpu"))
+
+
+# ---- children (one master process each) ------------------------------------------------------------
+
+def c_overhead(a):
+    import jax
+    import pytensor
+    import pytensor.tensor as pt
+    import synkhronos as synk
+    plat = a["platform"]
+    fork(1, plat)
+    dev = synk.session_info()
+    # tiny: the per-call overhead
+    x = pt.fmatrix("x")
+    y = pt.fvector("y")
+    z = pt.mean(x.dot(y), axis=0)
+    f = synk.function([x], z, bcast_inputs=[y])
+    f_plain = pytensor.function([x, y], z, mode="JAX")
+    # MLP training step: SGD updates, loss out
+    rng = np.random.default_rng(0)
+    sizes = [a["n_in"], a["hidden"], a["hidden"], 10]
+    xm = pt.fmatrix("xm")
+    ym = pt.ivector("ym")
+    params, h = [], xm
+    for i, (p, q) in enumerate(zip(sizes[:-1], sizes[1:])):
+        W = pytensor.shared((rng.standard_normal((p, q)) / np.sqrt(p)).astype("float32"), name=f"W{i}")
+        b = pytensor.shared(np.zeros(q, "float32"), name=f"b{i}")
+        params += [W, b]
+        h = h.dot(W) + b
+        if i < len(sizes) - 2:
+            h = pt.maximum(h, 0)
+    logp = pt.special.log_softmax(h, axis=1)
+    loss = -pt.mean(pt.sum(logp * pt.eq(ym[:, None], pt.arange(10)[None, :]), axis=1))
+    grads = pytensor.grad(loss, params)
+    ups = [(p, p - np.float32(0.01) * g) for p, g in zip(params, grads)]
+    step = synk.function([xm, ym], loss, updates=ups)
+    step_plain = pytensor.function([xm, ym], loss, updates=ups, mode="JAX")
+    synk.distribute()
+    X = rng.standard_normal((8, 4)).astype("float32")
+    Y = rng.standard_normal(4).astype("float32")
+    Xd, Yd = synk.data(X), synk.data(Y)
+    Xj, Yj = jax.device_put(X), jax.device_put(Y)
+    B = a["batch"]
+    XM = rng.standard_normal((B, a["n_in"])).astype("float32")
+    YM = rng.integers(0, 10, B).astype("int32")
+    XMd, YMd = synk.data(XM), synk.data(YM)
+    reps, rounds = a["reps"], a["rounds"]
+    tiny = best_of_rounds({
+        "plain_numpy": lambda: float(f_plain(X, Y)),
+        "plain_device": lambda: float(f_plain(Xj, Yj)),
+        "synk_data": lambda: float(f(Xd, Yd)),
+        "synk_numpy": lambda: float(f(X, Y)),
+    }, reps, rounds)
+    mlp = best_of_rounds({
+        "plain_numpy": lambda: float(step_plain(XM, YM)),
+        "synk_data": lambda: float(step(XMd, YMd)),
+    }, max(5, reps // 20), rounds)
+    device = str(jax.devices()[0])
+    synk.close()
+    return {"device": device, "ranks": [r.rank for r in dev.ranks], "tiny": tiny, "mlp": mlp,
+            "mlp_shape": [a["n_in"], a["hidden"], a["hidden"], 10], "batch": B}
+
+
+def c_allreduce(a):
+    import jax
+    import pytensor
+    import synkhronos as synk
+    from synkhronos import session
+    n, plat = a["n"], a["platform"]
+    fork(n, plat)
+    v = pytensor.shared(np.zeros(1, "float32"), name="v")
+    g = synk.function([], v.sum())
+    synk.distribute()
+    ctx = session._session.ctx
+    comm = ctx.comm.pick("all_reduce", "float32", "sum", ctx.device.placement).name
+    rows = []
+    for size in a["sizes"]:
+        count = size // 4
+        synk.scatter(v, np.ones(count * n, "float32"))          # every rank: `count` elements
+        reps = 50 if size <= MB else (20 if size <= 64 * MB else 5)
+        if a.get("quick"):
+            reps = max(3, reps // 5)
+
+        def once():
+            synk.all_reduce(v, "sum")
+        t = median_time(once, reps, warm=2)
+        busbw = size * 2 * (n - 1) / n / t if n > 1 else None
+        rows.append({"bytes": size, "seconds": t, "algbw": size / t, "busbw": busbw})
+    val = float(np.asarray(synk.get_value(0, v))[0])
+    assert np.isfinite(val)
+    out = {"n": n, "comm": comm, "device": str(jax.devices()[0]), "rows": rows,
+           "storage": type(v.container.storage[0]).__name__}
+    synk.close()
+    return out
+
+
+def c_demo(a):
+    sys.path.insert(0, os.path.join(ROOT, "demos"))
+    import pytensor
+    pytensor.config.floatX = "float32"
+    import pytensor.tensor as pt
+    import synkhronos as synk
+    from synkhronos.extensions import train, updates
+    import layers                           # demos/layers.py (pytensor-ml)
+    n, plat = a["n"], a["platform"]
+    fork(n, plat)
+    h = w = a["image"]
+    B = a["batch"]
+    # static shapes (one rank's rows): PyTensor's JAX backend needs every shape known when it
+    # compiles (the layers' windows and paddings are built from the input's shape)
+    x = pt.tensor("x", dtype="float32", shape=(B // n, h * w))
+    y = pt.tensor("y", dtype="int32", shape=(B // n,))
+    if a["model"] == "cnn":
+        model = layers.cnn(x, h, w)
+    else:
+        model = layers.resnet(x, h, w)
+    logp = pt.special.log_softmax(model.logits, axis=-1)
+    # (the demos' harness indexes logp[arange(batch), y]: a dynamic arange, which JAX cannot compile)
+    loss = -pt.mean(pt.sum(logp * pt.eq(y[:, None], pt.arange(10)[None, :]), axis=1))
+    stat_updates = list(getattr(model, "stat_updates", []))
+
+    def rule(loss_, params_, **kw):
+        g_upd, p_upd, g_shared = updates.adam(loss_, params_, **kw)
+        return list(g_upd) + stat_updates, p_upd, g_shared
+    step = train.make_train_function(loss, model.params, [x, y], rule, learning_rate=1e-3)
+    synk.distribute()
+    rng = np.random.default_rng(0)
+    X = rng.uniform(0, 1, (B, h * w)).astype("float32")
+    Y = rng.integers(0, 10, B).astype("int32")
+    Xd, Yd = synk.data(X), synk.data(Y)
+    t_first = time.perf_counter()
+    step(Xd, Yd)
+    step.serial(X, Y)
+    t_first = time.perf_counter() - t_first
+    times = best_of_rounds({"synk": lambda: float(step(Xd, Yd)),
+                            "plain": lambda: float(step.serial(X, Y))}, a["reps"], a["rounds"])
+    import jax
+    out = {"model": model.description, "n": n, "batch": B, "image": h, "device": str(jax.devices()[0]),
+           "step_s": times, "first_calls_s": t_first}
+    synk.close()
+    return out
+
+
+CHILDREN = {"overhead": c_overhead, "allreduce": c_allreduce, "demo": c_demo}
+
+
+# ---- the parent: runs, tables, results ------------------------------------------------------------
+
+def fmt_t(s):
+    return f"{s * 1e6:8.1f} us" if s < 1e-3 else f"{s * 1e3:8.2f} ms"
+
+
+def fmt_bw(b):
+    return "       -" if b is None else f"{b / 1e9:8.2f}"
+
+
+def run_overhead(plat, quick):
+    args = {"platform": plat, "n_in": 784, "hidden": 1024, "batch": 256,
+            "reps": 200 if quick else 1000, "rounds": 2 if quick else 3}
+    r = child("overhead", args)
+    print("\n== function throughput: synkhronos n=1 vs plain PyTensor JAX, same device")
+    if "error" in r:
+        print("  FAILED:", r["error"])
+        return r
+    t, m = r["tiny"], r["mlp"]
+    print(f"  device {r['device']}")
+    print(f"  tiny function  plain (numpy in) {fmt_t(t['plain_numpy'])}   plain (device in) {fmt_t(t['plain_device'])}")
+    print(f"                 synk (Data)      {fmt_t(t['synk_data'])}   synk (numpy)      {fmt_t(t['synk_numpy'])}")
+    print(f"                 added per call: {1e6 * (t['synk_data'] - t['plain_numpy']):.1f} us (Data), "
+          f"{1e6 * (t['synk_numpy'] - t['plain_numpy']):.1f} us (numpy)")
+    ratio = m["plain_numpy"] / m["synk_data"]
+    print(f"  MLP {'-'.join(map(str, r['mlp_shape']))} SGD step, batch {r['batch']}: plain {fmt_t(m['plain_numpy'])}"
+          f"  synk {fmt_t(m['synk_data'])}  throughput ratio {ratio:.3f}x (goal >= 0.95x)"
+          f"  {'OK' if ratio >= 0.95 else 'BELOW GOAL'}")
+    r["mlp_ratio"] = ratio
+    return r
+
+
+def run_allreduce(plat, n_gpus, quick, max_mb):
+    sizes = [4 * KB] + [s * MB for s in (1, 4, 16, 64, 256, 1024) if s <= max_mb]
+    configs = [("n=1", 1, {})]
+    if plat == "gpu":
+        if n_gpus >= 2:
+            configs.append(("n=2 XLA/NCCL", 2, {"SYNK_JAX_COMM": "xla"}))
+            configs.append(("n=2 host-staged", 2, {"SYNK_JAX_COMM": "staged"}))
+        else:
+            configs.append(("n=2 on one GPU, host-staged (NCCL refuses one GPU twice)", 2,
+                            {"SYNK_GPUS": "0,0"}))
+    else:
+        configs.append(("n=2 host-staged (default on CPU)", 2, {"SYNK_JAX_COMM": "staged"}))
+        configs.append(("n=2 XLA gloo (SYNK_JAX_COMM=xla)", 2, {"SYNK_JAX_COMM": "xla"}))
+    print(f"\n== all_reduce float32 sum ({plat})")
+    out = {}
+    for label, n, env in configs:
+        r = child("allreduce", {"n": n, "platform": plat, "sizes": sizes, "quick": quick}, env)
+        out[label] = r
+        if "error" in r:
+            print(f"  {label}: FAILED: {r['error']}")
+            continue
+        print(f"  {label}: comm '{r['comm']}', device {r['device']}, storage {r['storage']}")
+        print("        size        time   algbw GB/s  busbw GB/s")
+        for row in r["rows"]:
+            size = row["bytes"]
+            s = f"{size // KB} KB" if size < MB else f"{size // MB} MB"
+            print(f"    {s:>8}  {fmt_t(row['seconds'])}    {fmt_bw(row['algbw'])}    {fmt_bw(row['busbw'])}")
+    return out
+
+
+def run_demos(plat, quick):
+    env = {"PYTHONPATH": os.pathsep.join([os.path.join(HERE, "jax_demo_ops")] +
+                                         ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
+    batch = 256 if plat == "gpu" else 64
+    print("\n== demo models: training step, synkhronos n=1 vs plain PyTensor JAX (same graphs, same device)")
+    out = {}
+    for model, image in (("cnn", 8), ("resnet", 8)):
+        r = child("demo", {"model": model, "n": 1, "platform": plat, "batch": batch, "image": image,
+                           "reps": 5 if quick else 20, "rounds": 2 if quick else 3}, env)
+        out[model] = r
+        if "error" in r:
+            print(f"  {model}: FAILED: {r['error']}")
+            continue
+        s = r["step_s"]
+        ratio = s["plain"] / s["synk"]
+        r["ratio"] = ratio
+        print(f"  {r['model']}, batch {r['batch']}: plain {fmt_t(s['plain'])}  synk {fmt_t(s['synk'])}  "
+              f"ratio {ratio:.3f}x  ({r['device']}; first calls {r['first_calls_s']:.1f} s)")
+    return out
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "_child":
+        res = CHILDREN[sys.argv[2]](json.loads(sys.argv[3]))
+        print("RESULT " + json.dumps(res), flush=True)
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", nargs="?", default="all", choices=("all", "overhead", "allreduce", "demos"))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--max-mb", type=int, default=None,
+                    help="largest all_reduce (default: 1024 on GPUs, 256 on the CPU)")
+    a = ap.parse_args()
+    plat, n_gpus, visible, missing = platform()
+    if plat == "gpu":
+        print(f"GPU mode: {n_gpus} GPU(s) visible ({', '.join(visible)})")
+    else:
+        why = "no GPU visible" if not visible else f"{len(visible)} GPU(s) visible but {missing}"
+        print(f"CPU mode ({why}): PyTensor's JAX backend on CPU ranks; GPU figures need a GPU machine")
+    max_mb = a.max_mb or (1024 if plat == "gpu" else 256)
+    results = {"platform": plat, "gpus": visible, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if a.what in ("all", "overhead"):
+        results["overhead"] = run_overhead(plat, a.quick)
+    if a.what in ("all", "allreduce"):
+        results["allreduce"] = run_allreduce(plat, n_gpus, a.quick, max_mb)
+    if a.what in ("all", "demos"):
+        results["demos"] = run_demos(plat, a.quick)
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, f"gpu_check_{plat}.json")
+    with open(path, "w") as fh:
+        json.dump(results, fh, indent=1)
+    print(f"\nresults: {os.path.relpath(path, ROOT)}")
+    failed = [k for k, v in results.items() if isinstance(v, dict) and "error" in v]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

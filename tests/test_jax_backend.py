@@ -1,0 +1,143 @@
+"""The JAX device on CPU ranks (``synk.fork(mode="JAX")``): shared variables stay JAX arrays
+on the device across calls and collectives, a call's hot path moves nothing implicitly
+(``jax.transfer_guard("disallow")``: the master around a second call, the workers for their
+whole life), outputs and updates keep their declared dtypes, partial updates of
+``num_slices`` combine on the device, and a killed worker ends in ``WorkerDied``.
+
+One small graph per case: every JAX function compiles in every process (~0.5 s each)."""
+import os
+
+import numpy as np
+import pytest
+import pytensor
+import pytensor.tensor as T
+
+import synkhronos as synk
+import synk_testutil as tu
+
+jax = pytest.importorskip("jax")
+
+
+def _on_device(var):
+    return isinstance(var.container.storage[0], jax.Array)
+
+
+@pytest.fixture(scope="class")
+def S():
+    # the workers run their whole life under the guard: not one implicit transfer anywhere
+    saved = os.environ.get("JAX_TRANSFER_GUARD")
+    os.environ["JAX_TRANSFER_GUARD"] = "disallow"
+    try:
+        n = synk.fork(2, mode="JAX", use_gpu=False)
+    finally:
+        if saved is None:
+            os.environ.pop("JAX_TRANSFER_GUARD", None)
+        else:
+            os.environ["JAX_TRANSFER_GUARD"] = saved
+    try:
+        x = T.matrix("x", dtype="float32")
+        y = T.vector("y", dtype="float32")
+        w = pytensor.shared(np.ones(3, "float32"), name="w")
+        c = pytensor.shared(np.zeros((4, 3), "float32"), name="c")
+        f = synk.function([x], [(x.dot(w) * y.sum()).sum(), (T.sum(x, axis=0), "sum")], bcast_inputs=[y],
+                          updates=[(w, w + T.mean(x, axis=0))])
+        g = synk.function([x], (x.sum() + c.sum(), "sum"))
+        synk.distribute()
+        yield n, f, g, w, c, x
+    finally:
+        synk.close()
+
+
+class TestOneSession:
+    """Tests sharing one session of two JAX CPU ranks."""
+
+    def test_storage_is_on_the_device_after_compiling(self, S):
+        _, _, _, w, c, _ = S
+        assert _on_device(w) and _on_device(c)
+        assert synk.session_info().open
+
+
+    def test_calls_keep_shared_values_on_the_device(self, S):
+        n, f, _, w, _, _ = S
+        X = np.arange(12, dtype="float32").reshape(4, 3)
+        Y = np.ones(2, "float32")
+        w0 = np.array(synk.get_value(0, w))
+        out = f(X, Y)
+        assert _on_device(w)
+        assert w.container.storage[0].dtype == np.float32          # declared dtype, not JAX's float64
+        assert out[0].dtype == np.float32 and out[1].dtype == np.float32
+        np.testing.assert_allclose(out[1], X.sum(0))
+        rows = [X[:2], X[2:]]
+        for r in range(n):
+            np.testing.assert_allclose(synk.get_value(r, w), w0 + rows[r].mean(0), rtol=1e-6)
+
+
+    def test_second_call_under_transfer_guard(self, S):
+        """Inputs go to the device once, explicitly; outputs come back explicitly; the update
+        stays there.  (The master's share runs here, under the guard; the workers are under it
+        since they started.)"""
+        _, f, g, w, _, _ = S
+        X = np.ones((6, 3), "float32")
+        x_d, y_d = synk.data(X), synk.data(np.ones(2, "float32"))
+        f(x_d, y_d)
+        g(x_d)
+        mine = jax.device_put(np.zeros(3, "float32"))        # explicit: allowed
+        with jax.transfer_guard("disallow"):
+            out = f(x_d, y_d)
+            out_g = g(x_d)
+            f(x_d, y_d, num_slices=2)                        # pieces moved one by one, combined on the device
+            assert mine.shape == (3,)
+        assert np.isfinite(out[0]) and out_g == pytest.approx(X.sum())
+        assert _on_device(w)
+
+
+    def test_collectives_keep_values_on_the_device(self, S):
+        n, _, _, w, c, _ = S
+        vals = [np.full(3, r + 1, "float32") for r in range(n)]
+        for r in range(n):
+            synk.set_value(r, w, vals[r])
+        assert _on_device(w)
+        synk.all_reduce(w, "sum")
+        assert _on_device(w)
+        np.testing.assert_allclose(synk.gather(w), np.stack([sum(vals)] * n))
+        synk.set_value(0, w, np.arange(3, dtype="float32"))
+        synk.broadcast(w)
+        assert _on_device(w)
+        np.testing.assert_allclose(synk.gather(w), np.stack([np.arange(3)] * n))
+        synk.scatter(c, np.arange(24, dtype="float32").reshape(8, 3))
+        assert _on_device(c)
+        synk.all_gather(c)
+        assert _on_device(c)
+        np.testing.assert_allclose(synk.get_value(1, c), np.arange(24).reshape(8, 3))
+        synk.reduce(w, "max")
+        assert _on_device(w)
+        with jax.transfer_guard("disallow"):            # collectives move values explicitly too
+            synk.all_reduce(w, "avg")
+        assert _on_device(w) and w.container.storage[0].dtype == np.float32
+
+
+    def test_sliced_updates_match_one_piece(self, S):
+        """num_slices partial updates (avg weighted by rows) combine on the device to the
+        same value as one call."""
+        _, f, _, w, _, _ = S
+        X = np.arange(30, dtype="float32").reshape(10, 3)
+        Y = np.ones(2, "float32")
+        synk.broadcast(w, np.zeros(3, "float32"))
+        f(X, Y)
+        one = synk.gather(w)
+        synk.broadcast(w, np.zeros(3, "float32"))
+        f(X, Y, num_slices=3)
+        assert _on_device(w)
+        np.testing.assert_allclose(synk.gather(w), one, rtol=1e-6)
+
+
+def test_killed_worker_raises_worker_died_without_hanging():
+    synk.fork(2, mode="JAX", use_gpu=False)
+    x = T.vector("x", dtype="float64")
+    f = synk.function([x], (x.sum(), "sum"))
+    synk.distribute()
+    assert f(np.ones(4)) == 4
+    tu.kill_rank(1)
+    with pytest.raises(synk.WorkerDied):
+        f(np.ones(4))
+    assert synk.session_info() is None
