@@ -155,7 +155,7 @@ def c_allreduce(a):
     n, plat = a["n"], a["platform"]
     fork(n, plat)
     v = pytensor.shared(np.zeros(1, "float32"), name="v")
-    g = synk.function([], v.sum())
+    synk.function([], v.sum())                  # (registers v)
     synk.distribute()
     ctx = session._session.ctx
     comm = ctx.comm.pick("all_reduce", "float32", "sum", ctx.device.placement).name

@@ -213,6 +213,14 @@ def _driver_gpu_count():
     return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
+def jax_installed():
+    import importlib.util
+    try:
+        return importlib.util.find_spec("jax") is not None and importlib.util.find_spec("jaxlib") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def gpu_backend_missing():
     """None when JAX with CUDA support is installed, else what is missing (no import of
     JAX, no CUDA initialisation)."""
@@ -277,6 +285,9 @@ def select_device(n_parallel, use_gpu, mode=None, local_n=None):
             raise ValueError(f"use_gpu=True runs PyTensor's JAX backend on the GPUs; mode={mode!r} cannot "
                              "run there (leave mode unset or use 'JAX')")
         return _gpu_device(n_parallel)
+    if jax_mode and not jax_installed():
+        raise RuntimeError("mode='JAX' runs PyTensor's JAX backend, but JAX is not installed: "
+                           "pip install 'synkhronos[jax]' (or 'synkhronos[gpu]' for GPUs)")
     cls = _device_class("jax" if jax_mode else "cpu")
     if n_parallel is None:
         n_parallel = CpuDevice.count()

@@ -69,9 +69,13 @@ class SubprocessLauncher(Launcher):
         self._next_state = 0.0
 
     def start(self, ranks, argv, env_for):
+        # each worker in a process group of its own: a launcher that kills its job by
+        # process group (MPI's, a batch system's) leaves them the moment to see their master
+        # gone and free the session's shared memory; Ctrl-C in a terminal reaches only the
+        # master, which stops them
         for r in ranks:
             self.procs[r] = subprocess.Popen(argv(r), env=clean_env(env_for(r)), stdin=subprocess.DEVNULL,
-                                             close_fds=True)
+                                             close_fds=True, process_group=0)
 
     def check(self):
         for r, p in self.procs.items():

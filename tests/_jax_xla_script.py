@@ -131,7 +131,7 @@ def scenario_values(n):
     synk.reduce(a, "sum")
     picked["reduce float64"] = comm_name("reduce", "float64", "sum")
     picked["all_reduce bool"] = comm_name("all_reduce", "bool", "sum")
-    out = f(np.ones((2 * n, 4)))
+    f(np.ones((2 * n, 4)))
     synk.all_reduce(w, "avg")
     assert isinstance(w.container.storage[0], jax.Array)
     g()                                            # (holds the NaN broadcast above)

@@ -701,10 +701,9 @@ def test_slow_rank_warns_and_is_never_killed(capfd):
         assert s.f(fs.with_trigger(np.ones(9), VICTIM, N)) == 8.0 + fs.TRIGGER
         assert time.monotonic() - t0 >= fs.SLEEP_S
         err = capfd.readouterr().err
-        warnings = [ln for ln in err.splitlines() if "synkhronos: stall" in ln]
+        warnings = [ln for ln in err.splitlines() if "synkhronos: stall" in ln and "call of function" in ln]
         assert len(warnings) >= 2, err                       # every 0.5 s of the 2 s
         assert all(f"rank(s) {VICTIM} " in w for w in warnings), warnings
-        assert "call of function" in warnings[0]
         assert s.f(np.arange(9.0)) == 36.0                   # and the session is fine
         TIMES.append(("call (rank 2 busy 2 s)", "slow rank", "stall warnings only", "2", None))
     finally:

@@ -99,6 +99,14 @@ def test_gpu_and_numba_mode_conflict(gpus):
         synk.fork(use_gpu=True, mode="NUMBA")
 
 
+def test_jax_mode_without_jax_says_how_to_install(gpus, monkeypatch):
+    gpus(0)
+    monkeypatch.setattr(dv, "jax_installed", lambda: False)
+    with pytest.raises(RuntimeError, match=r"pip install 'synkhronos\[jax\]'"):
+        synk.fork(2, mode="JAX")
+    assert synk.session_info() is None
+
+
 def test_default_falls_back_to_cpu_without_backend(gpus):
     gpus(2, backend=False)
     d = dv.select_device(2, None)

@@ -15,8 +15,10 @@ gloo on the CPU; ``xla_comm``) when every rank has its own GPU, else through the
 (``staged_comm``).  XLA's collectives need ``jax.distributed`` in every process before any
 JAX use: the master hosts its coordination service on a loopback port it picks, as process
 0 (processes are numbered from the master, ``(rank - master_rank) % n``).  The runtime is
-set up without the fatal handlers JAX installs by default (a lost process would abort the
-others, the master included): a lost rank ends in ``WorkerDied``, as on the CPU.
+set up so that JAX never ends the master (a recoverable service, connect failures as
+exceptions, no preemption service, the session closed at exit before JAX's own teardown):
+a lost rank ends in ``WorkerDied``, as on CPU ranks.  A worker whose master died is ended
+by JAX's client at once (the next session's reaper removes the shared memory).
 
 Settings (environment of the master):
 
@@ -507,6 +509,8 @@ class JaxDevice(Device):
             env.update(self.mem)
             if self.xla is not None:      # a lost rank aborts NCCL's communicators instead of hanging
                 env["XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE"] = "1"
+                if "NCCL_SOCKET_IFNAME" not in os.environ:
+                    env["NCCL_SOCKET_IFNAME"] = "lo"     # one host: NCCL's bootstrap on loopback only
         return env
 
     def init_master(self, rank):

@@ -516,6 +516,7 @@ class HierComm(Comm):
     Nothing any rank can see changes before every rank of every host voted yes."""
 
     name = "hier"
+    returns_new = ("all_gatherv", "reduce_scatter", "gatherv")   # verbs whose results are new arrays
 
     def __init__(self, prefix, slot, control, create, host_index, host_sizes, grank, w=None):
         self.prefix, self.slot, self.ctl = prefix, slot, control
@@ -634,9 +635,9 @@ class HierComm(Comm):
             acc = red.accumulator(op, flat.dtype)
             hbuf, hname = self._host_buffer(key, "r", acc, flat.size)
             srcs = [self.slots.view(key, r, flat.dtype).reshape(-1) for r in self.members]
-            out = None
+            out = None            # in place: the source itself (read before the MPI step, written after)
             if root is None or self.grank == root:
-                out = (self.slots.stage(key, flat.dtype, shape, reuse_lent=True) if in_place else
+                out = (self.slots.view(key, self.slot, flat.dtype) if in_place else
                        self.slots.ensure(key, flat.dtype, shape, plane=RESULT))
             plans.append((key, flat, shape, acc, hbuf, hname, srcs, out))
         self._commit()                  # every rank of every host is ready: now compute

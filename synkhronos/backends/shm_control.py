@@ -261,9 +261,9 @@ class ShmControl(Control):
         return self.seq * _STEP + self.step
 
     def barrier(self, check_after=True):
+        token = self._token()        # every rank counts every step, whether it waits or not
         if len(self.sync_slots) == 1:
             return
-        token = self._token()
         self._set(self.rank, ARRIVE, token)
         self._post(self._sync_others())
         late = lambda: [r for r in self.sync_slots if self._get(r, ARRIVE) < token]  # noqa: E731
@@ -281,9 +281,9 @@ class ShmControl(Control):
 
     def host_barrier(self):
         """The ranks of this host meet (not the rest of a multi-host session)."""
+        token = self._token()
         if len(self.members) == 1:
             return
-        token = self._token()
         self._set(self.rank, HOST_ARRIVE, token)
         self._post([r for r in self.members if r != self.rank])
         late = lambda: [r for r in self.members if self._get(r, HOST_ARRIVE) < token]  # noqa: E731

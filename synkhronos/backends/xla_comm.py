@@ -34,6 +34,7 @@ class XlaComm(Comm):
         self.names = {}
         self._mesh = None
         self._fns = {}
+        self.broken = None         # why XLA's collectives cannot be trusted any more in this session
 
     def accepts(self, verb, dtype, op=None, placement="host"):
         if placement != "device" or verb not in self.verbs or dtype is None:
@@ -95,19 +96,27 @@ class XlaComm(Comm):
         """Run the program on every rank, wait for it (liveness checked), vote (unless the
         caller does: ``all_gatherv``, as with the host implementation); returns this rank's
         results (device arrays)."""
+        if self.broken:
+            raise RuntimeError(f"synkhronos: an earlier XLA collective failed ({self.broken}) and may still be "
+                               "pending on other ranks; close the session (synk.close()) and fork again")
         ok, err, outs = True, None, None
         try:
             outs = self._program(key, body)(*args)
             jd.wait_ready(outs, lambda ready, sleep: self.sync.waiter.wait(
                 ready, sleep, what="an XLA collective"), self.sync.aborted)
             outs = [o.addressable_data(0) for o in outs]
-        except (Aborted, RankGone, MasterDied, StallTimeout):
-            raise                    # the control plane's own ways out
+        except (RankGone, MasterDied, StallTimeout):
+            raise                    # the control plane's own ways out (the session ends)
+        except Aborted:
+            self.broken = "another rank failed during one"
+            raise
         except Exception as e:       # this rank failed: every rank keeps its values
+            self.broken = f"{type(e).__name__} on rank {self.rank}"
             if not vote:
                 raise
             ok, err = False, e
         if vote and not self.sync.vote(ok):
+            self.broken = self.broken or "another rank failed during one"
             if err is not None:
                 raise err
             raise Aborted("another rank failed during this collective")

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# One command to check the GPU backend (PyTensor's JAX backend, one GPU per rank, collectives
+# through NCCL) on a machine with a GPU; without one it runs in CPU mode and says so.
+#
+#   benchmarks/gpu_check.sh [--quick] [--max-mb N] [--no-tests]
+#
+# 1. the backend's tests: the GPU tests (tests/test_jax_gpu.py, skipped without a GPU), the
+#    JAX device and XLA-collective tests on CPU ranks, and the functional suite with
+#    SYNK_MODE=JAX on CPU ranks (GPUs hidden for those);
+# 2. benchmarks/gpu_check.py: function throughput synkhronos n=1 vs plain PyTensor JAX on the
+#    same device, all_reduce bus bandwidth 1 MB .. 1 GB (n=1; n=2 through NCCL with two GPUs,
+#    else n=2 on one GPU through the host), the CNN and ResNet demo models' step times.
+# Prints tables; results in benchmarks/results/gpu_check_<gpu|cpu>.json and
+# benchmarks/results/gpu_check_<gpu|cpu>.log.
+#
+# Python: $PYTHON, else .venv/bin/python (scripts/setup.sh test demos jax [gpu]), else python3.
+# It needs synkhronos' dependencies (pytensor, numpy, posix_ipc, threadpoolctl, tqdm), jax
+# (with its CUDA plugin on a GPU machine: the 'gpu' extra, or jax-cuda13-plugin), pytest,
+# pytest-timeout and hypothesis, and pytensor-ml for the demo models.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+export PYTHONUNBUFFERED=1
+
+run_tests=1
+args=()
+for a in "$@"; do
+    case "$a" in
+        --no-tests) run_tests=0 ;;
+        *) args+=("$a") ;;
+    esac
+done
+
+if [[ -n "${PYTHON:-}" ]]; then PY="$PYTHON"
+elif [[ -x .venv/bin/python ]]; then PY=.venv/bin/python
+else PY=python3
+fi
+
+missing="$("$PY" - <<'EOF'
+import importlib.util as u
+need = ["numpy", "pytensor", "posix_ipc", "threadpoolctl", "tqdm", "jax", "pytest", "pytest_timeout",
+        "hypothesis", "pytensor_ml"]
+print(" ".join(m for m in need if u.find_spec(m) is None))
+EOF
+)"
+if [[ -n "$missing" ]]; then
+    echo "gpu_check: $PY lacks: $missing" >&2
+    echo "gpu_check: install them (scripts/setup.sh test demos jax gpu, or pip install from wheels where the machine is offline) or set PYTHON" >&2
+    exit 2
+fi
+
+mode="$("$PY" - <<'EOF'
+import sys
+sys.path.insert(0, ".")
+from synkhronos.device import gpu_backend_missing, gpu_count, visible_gpus
+n, vis, miss = gpu_count(), visible_gpus(), gpu_backend_missing()
+if n:
+    print(f"GPU mode: {n} GPU(s) ({', '.join(vis)})")
+elif vis:
+    print(f"CPU mode: {len(vis)} GPU(s) visible but {miss}: install the gpu extra to check them")
+else:
+    print("CPU mode: no GPU visible; the GPU paths are not exercised (only their CPU counterparts)")
+EOF
+)"
+echo "gpu_check: $mode (python: $PY)"
+plat=cpu
+[[ "$mode" == GPU* ]] && plat=gpu
+mkdir -p benchmarks/results
+LOG="benchmarks/results/gpu_check_${plat}.log"
+: > "$LOG"
+
+SYNK_PREFIX_LOG="$(mktemp -t synk-gpucheck-prefixes.XXXXXXXX)"
+export SYNK_PREFIX_LOG
+trap 'rm -f "$SYNK_PREFIX_LOG"' EXIT
+
+rc=0
+if [[ $run_tests -eq 1 ]]; then
+    echo "== tests: GPU ranks" | tee -a "$LOG"
+    "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_jax_gpu.py 2>&1 | tee -a "$LOG" || rc=1
+    echo "== tests: JAX device and XLA collectives on CPU ranks" | tee -a "$LOG"
+    CUDA_VISIBLE_DEVICES= "$PY" -m pytest -q -p no:cacheprovider tests/test_jax_backend.py \
+        tests/test_jax_xla_comm.py tests/test_gpu_selection.py 2>&1 | tee -a "$LOG" || rc=1
+    echo "== tests: functional suite with SYNK_MODE=JAX (CPU ranks)" | tee -a "$LOG"
+    start=$SECONDS
+    CUDA_VISIBLE_DEVICES= SYNK_MODE=JAX "$PY" -m pytest -q -p no:cacheprovider -m "functional and not slow" \
+        2>&1 | tail -n 15 | tee -a "$LOG" || rc=1
+    echo "   ($((SECONDS - start)) s)" | tee -a "$LOG"
+fi
+
+echo "== measurements" | tee -a "$LOG"
+"$PY" benchmarks/gpu_check.py all "${args[@]}" 2>&1 | tee -a "$LOG" || rc=1
+
+if ! "$PY" scripts/leakcheck.py "$SYNK_PREFIX_LOG" >/dev/null 2>&1; then
+    echo "gpu_check: shared memory or processes were left behind" | tee -a "$LOG"
+    rc=1
+fi
+echo "gpu_check: $mode; log: $LOG; exit $rc"
+exit $rc

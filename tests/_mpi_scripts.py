@@ -1,0 +1,241 @@
+"""Programs the multi-host tests run under ``mpiexec`` (``python _mpi_scripts.py SCENARIO
+ARGS``).  Every MPI process runs the program; ``synk.fork()`` returns only in the master
+(MPI rank 0), which prints ``SYNK-INFO {json}`` once the session is up and ``SYNK-RESULT
+{json}`` at the end."""
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+
+def _emit(kind, kw):
+    """A line for the test: on stdout, and (the output of two hosts can interleave) in
+    the file ``SYNK_RESULT_FILE`` when set."""
+    line = f"{kind} " + json.dumps(kw, default=str)
+    print(line, flush=True)
+    path = os.environ.get("SYNK_RESULT_FILE")
+    if path:
+        with open(path, "a") as fh:
+            fh.write(line + "\n")
+
+
+def _info(**kw):
+    _emit("SYNK-INFO", kw)
+
+
+def _result(**kw):
+    _emit("SYNK-RESULT", kw)
+
+
+def _session(n):
+    import synkhronos as synk
+    synk.fork(None if n == "auto" else int(n))
+    info = synk.session_info()
+    ranks = [(r.rank, r.host, r.pid) for r in info.ranks]
+    _info(ranks=ranks, hosts=sorted({h for _, h, _ in ranks}), prefix=info.resources["shm_prefix"])
+    return info
+
+
+class Checks:
+    def __init__(self):
+        self.failed = []
+        self.n = 0
+
+    def close(self, name, got, want, tol=1e-9):
+        self.n += 1
+        try:
+            np.testing.assert_allclose(np.asarray(got, dtype=float), np.asarray(want, dtype=float),
+                                       rtol=tol, atol=tol)
+        except AssertionError as e:
+            self.failed.append(f"{name}: {str(e)[:300]}")
+
+    def equal(self, name, got, want):
+        self.n += 1
+        if not (np.shape(got) == np.shape(want) and np.array_equal(got, want)):
+            self.failed.append(f"{name}: got {got!r} want {want!r}"[:400])
+
+
+def scenario_features(n):
+    """Every function feature and collective, checked against numpy on the same data."""
+    import pytensor
+    import pytensor.tensor as T
+    import synkhronos as synk
+    from synkhronos.shards import split
+    info = _session(n)
+    n = info.n
+    ck = Checks()
+    rng = np.random.default_rng(0)
+    x = T.matrix("x", dtype="float64")
+    y = T.vector("y", dtype="float64")
+    w = pytensor.shared(np.zeros(4), name="w")
+    S = pytensor.shared(np.zeros((0, 4)), name="S")           # sliceable, scattered
+    v = pytensor.shared(np.zeros(5), name="v")
+    iv = pytensor.shared(np.zeros(3, np.int32), name="iv")
+    f = synk.function([x], [(T.sum(x.dot(y)), "sum"), (T.max(x), "max"), (T.min(x), "min"),
+                            (x.sum(axis=1), "gather"), (T.mean(x), "avg"), (T.sum(w), None)],
+                      bcast_inputs=[y], updates=[(w, w + x.sum(axis=0))])
+    g = synk.function([], [(T.sum(S), "sum"), (S.shape[0], "sum")], sliceable_shareds=[S])
+    h = synk.function([], [(T.sum(v), "sum"), (T.sum(iv), "sum")])
+    synk.distribute()
+    X = rng.integers(-5, 6, (23, 4)).astype(np.float64)
+    Y = rng.integers(-3, 4, 4).astype(np.float64)
+    model_w = [np.zeros(4) for _ in range(n)]
+
+    for batch in (None, 17, slice(3, 20), [5, 0, 22, 7, 7, 1, 13, 2, 9]):
+        rows = np.arange(23) if batch is None else (np.arange(batch) if isinstance(batch, int) else
+                                                     np.arange(batch.start, batch.stop)
+                                                     if isinstance(batch, slice) else np.asarray(batch))
+        out = f(X, Y, batch=batch)
+        sel = X[rows]
+        ck.close(f"f sum batch={batch}", out[0], (sel @ Y).sum())
+        ck.close(f"f gather batch={batch}", out[3], sel.sum(axis=1))
+        ck.close(f"f avg batch={batch}", out[4], sel.mean())
+        b = split(len(rows), n)
+        for r in range(n):
+            if b[r + 1] > b[r]:
+                model_w[r] = model_w[r] + sel[b[r]:b[r + 1]].sum(axis=0)
+    for r in range(n):
+        ck.close(f"w after batches, rank {r}", synk.get_value(r, w), model_w[r])
+    d = synk.data(X)
+    out = f(d, Y, num_slices=3)
+    ck.close("f sum num_slices=3, Data", out[0], (X @ Y).sum())
+    ck.close("f avg num_slices=3", out[4], X.mean())
+    # ---- scatter (values of different lengths), batch_s, sliceable shareds
+    T1 = rng.integers(0, 9, (13, 4)).astype(np.float64)
+    V1 = np.arange(5.0 * n)
+    synk.scatter([S, v], [T1, V1])
+    bs = split(13, n)
+    ck.equal("get_lengths S", synk.get_lengths(S), [bs[r + 1] - bs[r] for r in range(n)])
+    out = g()
+    ck.close("g sum (whole sliceable)", out[0], T1.sum())
+    ck.close("g rows", out[1], 13)
+    sel = [[0] if bs[r + 1] > bs[r] else [] for r in range(n)]
+    out = g(batch_s=sel)
+    ck.close("g batch_s", out[0], sum(T1[bs[r]] .sum() for r in range(n) if bs[r + 1] > bs[r]))
+    out = g(num_slices=2)
+    ck.close("g num_slices", out[0], T1.sum())
+    # ---- collectives
+    parts = [rng.integers(-9, 10, 5).astype(np.float64) for _ in range(n)]
+    for op, fn in (("sum", np.sum), ("max", np.max), ("min", np.min), ("avg", np.mean), ("prod", np.prod)):
+        for r in range(n):
+            synk.set_value(r, v, parts[r])
+        synk.all_reduce(v, op=op)
+        want = fn(np.stack(parts), axis=0)
+        ck.close(f"all_reduce {op}", synk.gather(v), np.stack([want] * n))
+    ints = [rng.integers(-9, 10, 3).astype(np.int32) for _ in range(n)]
+    for r in range(n):
+        synk.set_value(r, iv, ints[r])
+    synk.all_reduce(iv, op="avg")
+    ck.equal("all_reduce int avg", synk.get_value(n - 1, iv),
+             np.rint(np.mean(np.stack(ints).astype(np.float64), axis=0)).astype(np.int32))
+    for r in range(n):
+        synk.set_value(r, v, parts[r])
+    res = synk.reduce(v, op="sum", in_place=False)
+    ck.close("reduce result", res, np.sum(np.stack(parts), axis=0))
+    ck.close("reduce leaves master", synk.get_value(0, v), parts[0])
+    synk.reduce(v, op="max")
+    ck.close("reduce in place", synk.get_value(0, v), np.max(np.stack(parts), axis=0))
+    ck.close("reduce leaves workers", synk.get_value(n - 1, v), parts[n - 1])
+    synk.broadcast(v, np.arange(5.0) * 7)
+    ck.close("broadcast", synk.gather(v), np.stack([np.arange(5.0) * 7] * n))
+    unequal = [np.arange(float(r + 1)) for r in range(n)]
+    for r in range(n):
+        synk.set_value(r, v, unequal[r])
+    g1 = synk.gather(v)
+    ck.equal("gather unequal is a list", [len(p) for p in g1], [r + 1 for r in range(n)])
+    ck.close("gather nd_up=0", synk.gather(v, nd_up=0), np.concatenate(unequal))
+    ck.equal("get_shapes", synk.get_shapes(v), [(r + 1,) for r in range(n)])
+    synk.all_gather(v)
+    ck.close("all_gather", synk.get_value(n - 1, v), np.concatenate(unequal))
+    synk.set_value(n - 1, v, np.full(7, 3.0), batch=slice(1, 5))
+    ck.close("set_value batch, remote rank", synk.get_value(n - 1, v), np.full(4, 3.0))
+    synk.set_value(n - 1, v, synk.data(np.arange(9.0)), batch=[8, 0, 4])
+    ck.close("set_value index batch, Data", synk.get_value(n - 1, v), np.array([8.0, 0.0, 4.0]))
+    synk.close()
+    _result(checks=ck.n, failed=ck.failed, n=n, hosts=sorted({r.host for r in info.ranks}))
+
+
+def scenario_train(n, steps):
+    """An MLP trained with the training kit, against the same training in one process."""
+    import pytensor
+    import pytensor.tensor as T
+    import synkhronos as synk
+    from synkhronos.extensions import train, updates
+    info = _session(n)
+    rng = np.random.default_rng(1)
+    X = rng.standard_normal((96, 8))
+    Y = rng.integers(0, 3, 96).astype(np.int64)
+    x = T.matrix("x", dtype="float64")
+    yv = T.vector("y", dtype="int64")
+    W1 = pytensor.shared(rng.standard_normal((8, 16)) * 0.3, name="W1")
+    W2 = pytensor.shared(rng.standard_normal((16, 3)) * 0.3, name="W2")
+    p = T.special.softmax(T.tanh(x.dot(W1)).dot(W2), axis=1)
+    loss = -T.mean(T.log(p[T.arange(yv.shape[0]), yv]))
+    step = train.make_train_function(loss, [W1, W2], [x, yv], updates.momentum, learning_rate=0.1)
+    synk.distribute()
+    start = step.snapshot()
+    order = [rng.permutation(96)[:48] for _ in range(int(steps))]
+    losses = [float(step(X, Y, batch=idx)) for idx in order]
+    par = [synk.get_value(r, W1) for r in range(info.n)]
+    synk_params = [W1.get_value(), W2.get_value()]
+    step.restore(start)
+    serial = [float(step.serial(X[idx], Y[idx])) for idx in order]
+    ser_params = [W1.get_value(), W2.get_value()]
+    synk.close()
+    _result(loss_first=losses[0], loss_last=losses[-1], serial_last=serial[-1],
+            loss_diff=max(abs(a - b) for a, b in zip(losses, serial)),
+            param_diff=max(float(np.max(np.abs(a - b))) for a, b in zip(synk_params, ser_params)),
+            ranks_agree=max(float(np.max(np.abs(par[r] - par[0]))) for r in range(info.n)))
+
+
+def scenario_fault(n, what):
+    """``kill`` / ``stop``: the last rank (on the last host) is killed / stopped while the
+    master waits for it; ``raise``: the master's script raises an uncaught exception;
+    ``idle``: the master just waits (to be killed from outside)."""
+    import pytensor.tensor as T
+    import synkhronos as synk
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _fault_scripts as fs
+    fs.quiet()
+    info = _session(n)
+    x = T.vector("x", dtype="float64")
+    f = synk.function([x], (T.sum(fs.Fault("sleep")(x)), "sum"))
+    synk.distribute()
+    assert f(np.arange(float(info.n))) == sum(range(info.n))
+    if what == "raise":
+        raise RuntimeError("synk-test: an uncaught exception in the master")
+    if what == "idle":
+        _info(ready=True)
+        time.sleep(120)
+        return
+    victim = info.ranks[-1]
+    sig = signal.SIGKILL if what == "kill" else signal.SIGSTOP
+    data = np.arange(float(info.n))
+    data[-1] = fs.TRIGGER                  # the victim's share sleeps: the call surely waits
+    import threading
+    threading.Timer(0.5, lambda: os.kill(victim.pid, sig)).start()
+    t0 = time.monotonic()
+    res = dict(victim=victim.rank, victim_host=victim.host)
+    try:
+        f(data)
+        res["raised"] = None
+    except synk.SynkError as e:
+        res.update(raised=type(e).__name__, message=str(e), rank=getattr(e, "rank", None),
+                   host=getattr(e, "host", None))
+    res["seconds"] = time.monotonic() - t0 - 0.5
+    res["open_after"] = synk.session_info() is not None
+    if what == "stop":
+        try:
+            os.kill(victim.pid, signal.SIGCONT)
+        except OSError:
+            pass
+    synk.close()
+    _result(**res)
+
+
+if __name__ == "__main__":
+    name, args = sys.argv[1], sys.argv[2:]
+    {"features": scenario_features, "train": scenario_train, "fault": scenario_fault}[name](*args)

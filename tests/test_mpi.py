@@ -1,0 +1,204 @@
+"""Several machines: the same script under real ``mpiexec`` (MPICH from the ``mpich`` wheel).
+
+* on localhost: 2 and 3 MPI processes, each leading its own group of ranks (3 to 5 ranks);
+* on two simulated hosts (``simhosts``: each host its own network namespace, hostname, IPC
+  and /dev/shm, joined by a veth pair; needs root), one MPI process per host.
+
+Every function feature and collective is checked against numpy on the same data
+(``_mpi_scripts.scenario_features``), a small MLP trained with the training kit against
+the same training in one process, and the failure cases: a rank killed or stopped on the
+other host (named, with its host, within 5 s), an uncaught exception in the master (the
+job ends instead of hanging), the master killed (every process on every host ends, and no
+host's /dev/shm keeps anything, MPICH's own ``mpich_shm_*`` files included)."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import synk_testutil as tu
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "_mpi_scripts.py")
+BIN = os.path.dirname(sys.executable)
+MPIEXEC = os.path.join(BIN, "mpiexec")
+
+
+def _mpi_missing():
+    if not os.path.exists(MPIEXEC):
+        return "no mpiexec next to the interpreter (pip install 'synkhronos[mpi]')"
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return "mpi4py is not installed (pip install 'synkhronos[mpi]')"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_mpi_missing() is not None, reason=str(_mpi_missing()))
+
+
+def _parse(out):
+    info = res = None
+    for line in out.splitlines():
+        line = line.split("] ", 1)[-1] if line.startswith("[") else line
+        if line.startswith("SYNK-INFO ") and info is None:
+            info = json.loads(line[len("SYNK-INFO "):])
+        elif line.startswith("SYNK-RESULT "):
+            res = json.loads(line[len("SYNK-RESULT "):])
+    return info, res
+
+
+def run_local(nprocs, *args, timeout=120):
+    """``mpiexec -n NPROCS python _mpi_scripts.py ARGS`` on this machine."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "MPI_LOCAL"))}
+    env["PATH"] = BIN + os.pathsep + env.get("PATH", "")
+    p = subprocess.run([MPIEXEC, "-n", str(nprocs), sys.executable, SCRIPT, *args], capture_output=True,
+                       text=True, timeout=timeout, env=env, cwd=HERE)
+    info, res = _parse(p.stdout)
+    return p, info, res
+
+
+def mpich_files():
+    try:
+        return sorted(e for e in os.listdir("/dev/shm") if e.startswith("mpich_shm_"))
+    except OSError:
+        return []
+
+
+# ---- localhost ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("nprocs,n", [(2, 3), (2, 4), (3, 5)])
+def test_local_every_feature(nprocs, n):
+    before = mpich_files()
+    p, info, res = run_local(nprocs, "features", str(n))
+    assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
+    assert res["n"] == n and res["checks"] > 30
+    assert res["failed"] == [], res["failed"]
+    assert len(info["ranks"]) == n
+    assert tu.shm_entries(info["prefix"]) == [] and mpich_files() == before
+
+
+def test_local_training_equals_serial():
+    p, info, res = run_local(2, "train", "4", "20")
+    assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
+    assert res["loss_last"] < res["loss_first"]
+    assert res["loss_diff"] < 1e-12 and res["param_diff"] < 1e-12 and res["ranks_agree"] == 0.0
+
+
+@pytest.mark.parametrize("what,exc", [("kill", "WorkerDied"), ("stop", "WorkerStopped")])
+def test_local_rank_lost_in_another_group(what, exc):
+    p, info, res = run_local(2, "fault", "4", what)
+    assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
+    assert res["raised"] == exc and res["rank"] == res["victim"] == 3, res
+    assert f"rank 3 on host {res['victim_host']}" in res["message"]
+    assert res["seconds"] < 5.0 and not res["open_after"]
+    assert tu.shm_entries(info["prefix"]) == []
+
+
+def test_local_uncaught_exception_ends_the_job():
+    t0 = time.monotonic()
+    p, info, res = run_local(2, "fault", "4", "raise", timeout=60)
+    assert p.returncode != 0 and "synk-test: an uncaught exception" in p.stderr
+    assert time.monotonic() - t0 < 30
+    assert tu.shm_entries(info["prefix"]) == []
+
+
+# ---- two simulated hosts ------------------------------------------------------------------------
+
+def _hosts_or_skip():
+    import simhosts
+    ok, why = simhosts.available()
+    if not ok:
+        pytest.skip(f"simulated hosts unavailable: {why}")
+    return simhosts
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    simhosts = _hosts_or_skip()
+    with simhosts.SimHosts(("hA", "hB")) as h:
+        yield h
+
+
+def run_hosts(hosts, *args, timeout=120, tmp=None):
+    out = os.path.join(tmp or "/tmp", f"synk-mpi-{os.getpid()}-{time.monotonic_ns()}.jsonl")
+    try:
+        cmd = hosts.mpiexec_cmd(2, 1, [sys.executable, SCRIPT, *args], extra=("-prepend-rank",),
+                                env={"SYNK_RESULT_FILE": out})
+        p = hosts.run(cmd, timeout=timeout)
+        hosts.wait_idle(5)
+        info, res = _parse(open(out).read() if os.path.exists(out) else "")
+    finally:
+        if os.path.exists(out):
+            os.unlink(out)
+    return p, info, res
+
+
+def assert_hosts_clean(hosts):
+    assert tu.wait_until(lambda: not any(hosts.shm_files().values()), 5.0), hosts.shm_files()
+    assert tu.wait_until(lambda: not any(hosts.pids().values()), 5.0), hosts.processes()
+
+
+def test_hosts_every_feature(hosts):
+    p, info, res = run_hosts(hosts, "features", "4")
+    assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
+    assert info["hosts"] == ["hA", "hB"] and [h for _, h, _ in info["ranks"]] == ["hA", "hA", "hB", "hB"]
+    assert res["failed"] == [], res["failed"]
+    assert_hosts_clean(hosts)
+
+
+def test_hosts_training_equals_serial(hosts):
+    p, info, res = run_hosts(hosts, "train", "auto", "20")
+    assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
+    assert res["loss_diff"] < 1e-12 and res["param_diff"] < 1e-12 and res["ranks_agree"] == 0.0
+    assert_hosts_clean(hosts)
+
+
+@pytest.mark.parametrize("what,exc", [("kill", "WorkerDied"), ("stop", "WorkerStopped")])
+def test_hosts_rank_lost_on_the_other_host(hosts, what, exc):
+    p, info, res = run_hosts(hosts, "fault", "4", what)
+    assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
+    assert res["raised"] == exc and res["rank"] == 3 and res["host"] == "hB", res
+    assert "rank 3 on host hB" in res["message"] and res["seconds"] < 5.0
+    assert_hosts_clean(hosts)
+
+
+def test_hosts_uncaught_exception_ends_the_job(hosts):
+    t0 = time.monotonic()
+    p, info, res = run_hosts(hosts, "fault", "4", "raise", timeout=60)
+    assert p.returncode != 0 and "synk-test: an uncaught exception" in p.stdout + p.stderr
+    assert time.monotonic() - t0 < 30
+    assert_hosts_clean(hosts)
+
+
+def test_hosts_master_killed_ends_everything(hosts):
+    """SIGKILL of the master: MPICH ends every MPI process; the workers on both hosts see
+    their host's MPI process gone, exit, and free their host's shared memory (MPICH's file
+    included)."""
+    out = f"/tmp/synk-mpi-{os.getpid()}-{time.monotonic_ns()}.jsonl"
+    cmd = hosts.mpiexec_cmd(2, 1, [sys.executable, SCRIPT, "fault", "4", "idle"], extra=("-prepend-rank",),
+                            env={"SYNK_RESULT_FILE": out})
+    p = hosts.popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        ready = tu.wait_until(lambda: os.path.exists(out) and '"ready"' in open(out).read(), 120)
+        assert ready, "the program did not get ready"
+        info, _ = _parse(open(out).read())
+        os.kill(info["ranks"][0][2], signal.SIGKILL)
+        t0 = time.monotonic()
+        p.wait(timeout=30)
+        workers = [pid for _, _, pid in info["ranks"][1:]]
+        assert tu.wait_until(lambda: not any(tu.pid_running(w) for w in workers), 5.0)
+        assert_hosts_clean(hosts)
+        assert time.monotonic() - t0 < 10
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        hosts.kill_all()
+        hosts.clear_shm()
+        if os.path.exists(out):
+            os.unlink(out)
