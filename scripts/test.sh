@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh test docs demos jax) and run the test suite. Extra args go to
+# Set up (scripts/setup.sh test docs demos jax mpi) and run the test suite. Extra args go to
 # pytest. Slow tests are deselected unless -m is given or SYNK_SLOW=1.
 # Then the functional tests (marker "functional", see tests/conftest.py) run a second time
 # on PyTensor's JAX backend (SYNK_MODE=JAX); SYNK_JAX_PASS=0 skips that pass, and it is
@@ -11,7 +11,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 export PYTHONUNBUFFERED=1
 
-bash scripts/setup.sh test docs demos jax   # demos, docs and the JAX backend are tested too
+bash scripts/setup.sh test docs demos jax mpi   # demos, docs, JAX and several machines are tested too
 
 args=("$@")
 have_m=0

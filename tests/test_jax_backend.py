@@ -56,7 +56,6 @@ class TestOneSession:
         assert _on_device(w) and _on_device(c)
         assert synk.session_info().open
 
-
     def test_calls_keep_shared_values_on_the_device(self, S):
         n, f, _, w, _, _ = S
         X = np.arange(12, dtype="float32").reshape(4, 3)
@@ -70,7 +69,6 @@ class TestOneSession:
         rows = [X[:2], X[2:]]
         for r in range(n):
             np.testing.assert_allclose(synk.get_value(r, w), w0 + rows[r].mean(0), rtol=1e-6)
-
 
     def test_second_call_under_transfer_guard(self, S):
         """Inputs go to the device once, explicitly; outputs come back explicitly; the update
@@ -89,7 +87,6 @@ class TestOneSession:
             assert mine.shape == (3,)
         assert np.isfinite(out[0]) and out_g == pytest.approx(X.sum())
         assert _on_device(w)
-
 
     def test_collectives_keep_values_on_the_device(self, S):
         n, _, _, w, c, _ = S
@@ -114,7 +111,6 @@ class TestOneSession:
         with jax.transfer_guard("disallow"):            # collectives move values explicitly too
             synk.all_reduce(w, "avg")
         assert _on_device(w) and w.container.storage[0].dtype == np.float32
-
 
     def test_sliced_updates_match_one_piece(self, S):
         """num_slices partial updates (avg weighted by rows) combine on the device to the

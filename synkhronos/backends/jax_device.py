@@ -419,15 +419,16 @@ class JaxDevice(Device):
         return usable_cores()
 
     def __init__(self, n, platform="cpu", gpus=None, visible=None, threads=None, mem=None, xla=None,
-                 floatX=None, why_staged=None, **settings):
+                 floatX=None, why_staged=None, local_n=None, **settings):
         super().__init__(n)
+        self.local_n = local_n or n          # the ranks that share this host's cores
         if platform not in ("cpu", "gpu"):
             raise ValueError(f"JaxDevice platform must be 'cpu' or 'gpu', got {platform!r}")
         self.platform = platform
         self.gpus = list(gpus) if gpus else None
         self.visible = list(visible) if visible else self.gpus
         self.cores = usable_cores()
-        self.threads = int(threads) if threads else max(1, self.cores // n)
+        self.threads = int(threads) if threads else max(1, self.cores // self.local_n)
         self.mem = dict(mem) if mem is not None else (_mem_settings() if platform == "gpu" else {})
         self.xla = xla                     # None, or how processes reach jax.distributed
         self.floatX = floatX
@@ -440,7 +441,7 @@ class JaxDevice(Device):
     def config(self):
         return {"kind": self.kind, "platform": self.platform, "gpus": self.gpus, "visible": self.visible,
                 "threads": self.threads, "mem": self.mem, "xla": self.xla, "floatX": self.floatX,
-                "why_staged": self.why_staged}
+                "why_staged": self.why_staged, "local_n": self.local_n}
 
     # ---- the session's collectives (decided in the master, before workers start) -------------
     def plan_comm(self, master_rank, alive=None, timeout=None):
@@ -493,7 +494,7 @@ class JaxDevice(Device):
     # ---- processes -------------------------------------------------------------------------
     def _cpu_limits(self):
         if self._cpu is None:
-            self._cpu = CpuDevice(self.n)
+            self._cpu = CpuDevice(self.n, local_n=self.local_n)
             self._cpu.threads = self.threads
         return self._cpu
 

@@ -313,7 +313,9 @@ class ShmControl(Control):
         self._post(self._sync_others())
         if not ok:
             return False
-        late = lambda: [r for r in self.sync_slots if abs(self._get(r, VOTE)) != token]  # noqa: E731
+        # a rank already past this vote (a later token) voted yes here and saw every yes:
+        # votes only grow, so a rank that moved on cannot hide its vote from a slower one
+        late = lambda: [r for r in self.sync_slots if abs(self._get(r, VOTE)) < token]  # noqa: E731
 
         def ready():
             if not late():
@@ -321,7 +323,7 @@ class ShmControl(Control):
             return self.aborted()
 
         self.waiter.wait(ready, self._sleep, owed=late, what="a vote")
-        if late() or any(self._get(r, VOTE) != token for r in self.sync_slots):
+        if late() or any(self._get(r, VOTE) == -token for r in self.sync_slots):
             return False
         if on_commit is not None:
             on_commit()
