@@ -24,7 +24,7 @@ from .errors import BadArgument, OutOfRange
 from .plans import CallPlan, Rows, call_from_wire, call_needs, call_to_wire
 from .progress import busy
 from .reductions import OUTPUT_MODES, check_mode, combine
-from .replica import Replica
+from .replica import Replica, follow_up
 from .session import get_session
 
 # ------------------------------------------------------------------------------------------
@@ -234,6 +234,10 @@ class Function:
     # ---- calling -----------------------------------------------------------------------------
     def __call__(self, *args, output_subset=None, batch=None, batch_s=None, num_slices=1, **kwargs):
         """Run on all ranks and return the reduced outputs (see the user guide for selectors)."""
+        return self._invoke(args, kwargs, output_subset, batch, batch_s, num_slices)
+
+    def _invoke(self, args, kwargs, output_subset, batch, batch_s, num_slices, then=()):
+        """A call; ``then``: steps every rank chains in the same command (``replica.follow_up``)."""
         rt = self._rt
         if rt.closed:
             raise RuntimeError("synkhronos is closed; this function belongs to a closed session")
@@ -242,7 +246,7 @@ class Function:
                                                                      num_slices)
             datas = [self._stage(i, v) for i, v in enumerate(values)]
             plan, wire, total, idx_local = self._plan(datas, sel, sel_s, num_slices, wanted)
-            mine, theirs, arrays = self._run(plan, wire, datas, total, idx_local)
+            mine, theirs, arrays = self._run(plan, wire, datas, total, idx_local, then)
             outs = self._collect(mine, theirs, wanted, arrays, plan)
             rt.commit()
             if self._updates_sliceable:
@@ -284,8 +288,8 @@ class Function:
         no selectors) reuses its plan: nothing in it can have changed."""
         key = None
         if sel is None and sel_s is None and not self._sliceable and not self._collective:
-            key = (tuple((d._buf, d._arr.shape, d._minibatch) for d in datas), num_slices,
-                   None if wanted is None else tuple(wanted))
+            key = (tuple((d._buf.handle if d._buf is not None else None, d._arr.shape, d._minibatch)
+                         for d in datas), num_slices, None if wanted is None else tuple(wanted))
             cached = self._plan_cache
             if cached is not None and cached[0] == key:
                 return cached[1]
@@ -341,7 +345,7 @@ class Function:
     def _variant(self, plan):
         return "s" if (self._sliceable and (plan.sel_s is not None or plan.num_slices > 1)) else "f"
 
-    def _run(self, plan, wire, datas, total, idx_local):
+    def _run(self, plan, wire, datas, total, idx_local, then=()):
         rt = self._rt
         ctx = rt.ctx
         me = rt.rank
@@ -360,14 +364,15 @@ class Function:
         if self._collective:     # in-graph collectives meet the other ranks: all start together
             master_first = False
         what = f"call of function {self.name or replica.fid}"
-        args = (wire,)
+        args = (wire, then) if then else (wire,)
+        after = (lambda: follow_up(ctx, then)) if then else None     # they meet the other ranks
         needs = lambda: call_needs(plan, ns)  # noqa: E731
         if variant in self._warm:
-            mine, theirs = rt.execute("call", args, local, master_first, what=what, needs=needs)
+            mine, theirs = rt.execute("call", args, local, master_first, what=what, needs=needs, after=after)
         else:                    # the first call compiles (numba JIT: up to a minute): say so
             with busy(f"synkhronos: first {what}: compiling (JIT) or loading it from the cache"):
                 mine, theirs = rt.execute("call", args, local, master_first, what=what, patient=True,
-                                          needs=needs)
+                                          needs=needs, after=after)
         self._warm.add(variant)
         return mine, theirs, arrays
 
@@ -616,7 +621,7 @@ def _w_distribute(ctx, payload, n_keys):
 
 
 @worker_command("call")
-def _w_call(ctx, wire):
+def _w_call(ctx, wire, then=()):
     # the last plan of each function, with its inputs: views of the master's buffers, valid
     # for as long as the buffers are (no batch index: its rows would be gathered copies)
     cached = ctx.call_cache.get(wire[0])
@@ -627,4 +632,7 @@ def _w_call(ctx, wire):
         scat, bcast = ctx.control.inputs(plan.inputs, ctx.replicas[plan.fid].n_scatter, plan.rows, ctx.rank)
         if plan.rows.kind == "range" and plan.sel_s is None:
             ctx.call_cache[plan.fid] = (wire, plan, scat, bcast)
-    return ctx.replicas[plan.fid].run(ctx, scat, bcast, plan)
+    res = ctx.replicas[plan.fid].run(ctx, scat, bcast, plan)
+    if then:
+        follow_up(ctx, then)
+    return res

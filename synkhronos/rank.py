@@ -34,8 +34,9 @@ class Rank:
         self.device, self.control, self.comm = device, control, comm
         self.shareds = []      # registry index -> shared variable (same order on every rank)
         self.replicas = []     # function id -> Replica
-        self.pending = None    # (seq, apply) of a call's updates, until the master settles it
+        self.pending = None    # (seq, {var: new value}) of a command's updates, until settled
         self.call_cache = {}   # function id -> (wire plan, plan, its input views): a worker's last call
+        self.seq = 0           # the command this rank is running (or ran last)
 
     is_master = property(lambda self: self.rank == self.master_rank)
 
@@ -49,13 +50,23 @@ class Rank:
         """The local array of an ``ArrayRef``."""
         return self.control.array(ref)
 
-    def hold(self, seq, apply):
-        """Keep ``apply`` (this rank's share of command ``seq``'s state change) until the
-        master says whether every rank succeeded."""
-        self.pending = (seq, apply)
+    def hold(self, seq, values):
+        """Keep ``values`` (``{shared variable: new value}``: this rank's share of command
+        ``seq``'s updates) until the master says whether every rank succeeded."""
+        if self.pending is not None and self.pending[0] == seq:
+            self.pending[1].update(values)
+        else:
+            self.pending = (seq, dict(values))
+
+    def pending_value(self, var):
+        """The value ``var`` will have once the command in progress is committed."""
+        if self.pending is not None and self.pending[0] == self.seq and var in self.pending[1]:
+            return self.pending[1][var]
+        return self.device.get(var)
 
     def settle(self, settle):
         """Apply or drop what command ``settle[0]`` left pending (``settle[1]``: commit)."""
         pending, self.pending = self.pending, None
         if settle is not None and pending is not None and pending[0] == settle[0] and settle[1]:
-            pending[1]()
+            for var, value in pending[1].items():
+                self.device.set(var, value)

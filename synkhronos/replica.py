@@ -69,7 +69,7 @@ class Replica:
         n_out = self.n_out
         news = outs[n_out:]
         if self.update_vars:
-            ctx.hold(ctx.seq, lambda: [device.set(var, val) for var, val in zip(self.update_vars, news)])
+            ctx.hold(ctx.seq, dict(zip(self.update_vars, news)))
         res = [device.to_host(o) for o in outs[:n_out]]
         if not ctx.is_master and plan.send is not None:      # outputs the master will not use
             res = [o if plan.send[i] else None for i, o in enumerate(res)]
@@ -124,3 +124,31 @@ class Replica:
 
 def _on(device, arrays):
     return [device.to_device(a) for a in arrays]
+
+
+def _no_input_plan(n):
+    from .plans import CallPlan, Rows
+    return CallPlan(-1, (), Rows("range", (0,) * (n + 1)), None, 1, None)
+
+
+def follow_up(ctx, steps):
+    """What a call chains in the same command on every rank, after the function's share:
+    ``("all_reduce", var index, op)`` of a variable's new value (its pending update), then
+    ``("run", function id)`` of a function without inputs.  A training step is then one
+    round trip: gradient, all-reduce, update rule.  The all-reduce's vote makes the step
+    all-or-nothing up to there; updates stay pending until the master commits."""
+    for step in steps:
+        if step[0] == "all_reduce":
+            _, vid, op = step
+            var = ctx.shareds[vid]
+            value = ctx.pending_value(var)
+            comm = ctx.comm.pick("all_reduce", var.type.dtype, op, ctx.device.placement)
+            if ctx.device.placement == "host":
+                value = np.asarray(value)
+            [res] = comm.all_reduce([(vid, value)], op, fence=True)   # read right after: fence
+            ctx.device.set(var, res)            # the next step reads it
+            ctx.hold(ctx.seq, {var: res})
+        elif step[0] == "run":
+            ctx.replicas[step[1]].run(ctx, [], [], _no_input_plan(ctx.n))
+        else:
+            raise ValueError(f"unknown follow-up step {step!r}")

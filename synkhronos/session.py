@@ -263,7 +263,8 @@ class Session:
         self._collect_all(f"the interrupted previous command (before {what})")
         self.settle = (inf.seq, False)
 
-    def execute(self, name, args=(), local=None, master_first=False, what=None, patient=False, needs=()):
+    def execute(self, name, args=(), local=None, master_first=False, what=None, patient=False, needs=(),
+                after=None):
         """Run command ``name`` on every worker and ``local()`` in the master.
 
         Returns ``(local_result, {rank: worker_result})``.  A worker exception is raised as
@@ -272,11 +273,13 @@ class Session:
         computes before the workers start (so that a JIT compile happens once and workers
         load it from the cache).  What ``local()`` or the workers leave pending is dropped
         unless the caller then calls ``commit``.  ``patient`` (distribute, first calls: they
-        compile) waits without the session's timeout; stalls are still reported."""
+        compile) waits without the session's timeout; stalls are still reported.  ``after``
+        runs in the master once the command is sent, after ``local`` (steps that meet the
+        other ranks, when ``local`` ran before sending)."""
         if patient and self.waiter.timeout is not None:
             saved, self.waiter.timeout = self.waiter.timeout, None
             try:
-                return self.execute(name, args, local, master_first, what, needs=needs)
+                return self.execute(name, args, local, master_first, what, needs=needs, after=after)
             finally:
                 self.waiter.timeout = saved
         what = what or name
@@ -298,9 +301,12 @@ class Session:
                 fp = fingerprint(ctx.seq, name, args, ctx.shareds)
             seq = self._send(name, args, needs)
             self.settle = (seq, False)
-            if local is not None:
+            if local is not None or after is not None:
                 try:
-                    local_result = run_share(ctx, local)
+                    if local is not None:
+                        local_result = run_share(ctx, local)
+                    if after is not None:
+                        run_share(ctx, after)
                 except (RankGone, StallTimeout):
                     raise
                 except BaseException as e:

@@ -108,6 +108,7 @@ class TrainFunction:
         self.params = _as_var_list(params)
         self.inputs = list(inputs)
         self.grad_updates, self.param_updates = grad_updates, param_updates
+        self._then = None
         seen, state = set(), []
         for v in _as_var_list(grad_shared) + [v for v, _ in param_updates]:
             if id(v) not in seen:
@@ -121,10 +122,28 @@ class TrainFunction:
         averaged over the whole batch.  The original's keywords ``x_data``/``y_data`` work
         for a step with two inputs."""
         data, call_kwargs = _legacy_data_names("the training step", self.inputs, data, call_kwargs)
-        loss = self.grad_function(*data, batch=batch, num_slices=num_slices, **call_kwargs)
-        synk.all_reduce(self.grad_shared, op="avg")
+        f = self.grad_function
+        if self._then is None:
+            self._then = self._chain()
+        if self._then and self.update_function._warm:
+            # one round trip: gradient, all-reduce and update rule in the same command
+            output_subset = call_kwargs.pop("output_subset", None)
+            batch_s = call_kwargs.pop("batch_s", None)
+            return f._invoke(data, call_kwargs, output_subset, batch, batch_s, num_slices, self._then)
+        loss = f(*data, batch=batch, num_slices=num_slices, **call_kwargs)
+        synk.all_reduce(_as_var_list(self.grad_shared), op="avg")
         self.update_function()
         return loss
+
+    def _chain(self):
+        """The follow-ups of the gradient call (``replica.follow_up``): () when the step
+        cannot be chained (not distributed yet)."""
+        from synkhronos.session import get_session
+        rt = get_session()
+        if not rt.distributed:
+            return ()
+        steps = tuple(("all_reduce", rt.shared_ids[id(g)], "avg") for g in _as_var_list(self.grad_shared))
+        return steps + (("run", self.update_function._replica.fid),)
 
     def serial(self, *arrays, **named):
         """The same step as plain PyTensor in the master only, on the full ``arrays``

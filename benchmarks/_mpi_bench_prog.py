@@ -1,0 +1,154 @@
+"""Programs bench_mpi.py runs on the simulated hosts: ``python _mpi_bench_prog.py MODE SPEC``
+(SPEC: JSON), under ``mpiexec`` or alone.  Every result is one JSON line ``BENCH {...}`` on
+stdout and, when ``SYNK_RESULT_FILE`` is set, appended to that file (the parent follows it
+to show progress: the output of several hosts can interleave on stdout).
+
+Modes:
+
+* ``synk_allreduce``: ``synk.fork(n)``; one float32 shared variable per size, all registered
+  by one function that is never called; per size: ``synk.broadcast`` a value, then time
+  ``synk.all_reduce(var, "sum")`` in the master (call to return: every rank of every host
+  done) ``warmup + reps`` times.  The variable's storage stays the collective's result
+  between repetitions (as in training: nothing is re-set), so the value is multiplied by n
+  every time; it starts at 2**-60 and the number of repetitions is capped so that it stays
+  finite, and the final value is checked on the first and the last rank.
+* ``mpi_allreduce``: mpi4py ``comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)`` on a float32
+  buffer, ``Barrier`` before each repetition, the time of a repetition is the slowest
+  rank's (``allreduce(MAX)`` of the ranks' times, not timed); same values and checks.
+* ``overhead``: ``synk.fork(n)``; ``f = synk.function([x], (T.sum(x), "sum"))`` called on an
+  8-element float32 ``synk.data``, against ``pytensor.function([x], T.sum(x))`` on the same
+  numpy array, alternating blocks; median per-call time of the blocks.
+"""
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+V0 = 2.0 ** -60          # start value of the all_reduce buffers (exact powers of two)
+
+
+def emit(kind, **kw):
+    line = "BENCH " + json.dumps(dict(kind=kind, **kw))
+    print(line, flush=True)
+    path = os.environ.get("SYNK_RESULT_FILE")
+    if path:
+        with open(path, "a") as fh:
+            fh.write(line + "\n")
+
+
+def expected(n, calls):
+    return V0 * float(n) ** calls
+
+
+def synk_allreduce(spec):
+    import pytensor
+    import synkhronos as synk
+    t0 = time.perf_counter()
+    n = synk.fork(spec.get("n"))
+    info = synk.session_info()
+    emit("session", n=n, ranks=[(r.rank, r.host) for r in info.ranks],
+         fork_s=time.perf_counter() - t0)
+    sizes, reps, warmup = spec["sizes"], spec["reps"], spec["warmup"]
+    vs = [pytensor.shared(np.zeros(1, np.float32), name=f"v{s}") for s in sizes]
+    synk.function([], outputs=[v.sum() for v in vs])     # registers them (never called)
+    synk.distribute()
+    for size, r, v in zip(sizes, reps, vs):
+        count = size // 4
+        synk.broadcast(v, np.full(count, V0, np.float32))
+        ts = []
+        for i in range(warmup + r):
+            t = time.perf_counter()
+            synk.all_reduce(v, op="sum")
+            dt = time.perf_counter() - t
+            if i >= warmup:
+                ts.append(dt)
+        want = expected(n, warmup + r)
+        got = []
+        for rank in (0, n - 1):
+            a = synk.get_value(rank, v)
+            got += [float(a[0]), float(a[-1])]
+        ok = bool(a.size == count and all(g == want for g in got))
+        emit("allreduce", impl="synk", size=size, times=ts, ok=ok,
+             check=dict(want=want, got=got))
+        synk.broadcast(v, np.zeros(1, np.float32))         # give the memory back (best effort)
+    synk.close()
+
+
+def mpi_allreduce(spec):
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    n = comm.Get_size()
+    if comm.rank == 0:
+        emit("session", n=n, ranks=comm.gather((comm.rank, MPI.Get_processor_name())))
+    else:
+        comm.gather((comm.rank, MPI.Get_processor_name()))
+    sizes, reps, warmup = spec["sizes"], spec["reps"], spec["warmup"]
+    for size, r in zip(sizes, reps):
+        buf = np.full(size // 4, V0, np.float32)
+        ts = []
+        for i in range(warmup + r):
+            comm.Barrier()
+            t = time.perf_counter()
+            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            dt = time.perf_counter() - t
+            dt = comm.allreduce(dt, op=MPI.MAX)
+            if i >= warmup:
+                ts.append(dt)
+        want = expected(n, warmup + r)
+        ok = comm.allreduce(bool(buf[0] == want and buf[-1] == want), op=MPI.LAND)
+        if comm.rank == 0:
+            emit("allreduce", impl="mpi4py", size=size, times=ts, ok=bool(ok),
+                 check=dict(want=want, got=[float(buf[0]), float(buf[-1])]))
+        del buf
+
+
+def overhead(spec):
+    import pytensor
+    import pytensor.tensor as T
+    import synkhronos as synk
+    n = synk.fork(spec.get("n"))
+    info = synk.session_info()
+    emit("session", n=n, ranks=[(r.rank, r.host) for r in info.ranks])
+    x = T.fvector("x")
+    f = synk.function([x], (T.sum(x), "sum"))
+    synk.distribute()
+    f_th = pytensor.function([x], T.sum(x))
+    xn = np.arange(8, dtype=np.float32)
+    xd = synk.data(xn)
+    for _ in range(20):                       # first call (JIT / cache load) and warm-up
+        out_s, out_t = f(xd), f_th(xn)
+    ok = bool(float(out_s) == 28.0 and float(out_t) == 28.0)
+
+    def per_call(fn, arg, budget):
+        k, t = 0, time.perf_counter()          # calls for about ``budget`` seconds
+        while True:
+            fn(arg)
+            k += 1
+            dt = time.perf_counter() - t
+            if dt >= 0.05 and k >= 10:
+                break
+        return max(10, int(budget / (dt / k)))
+
+    inner_s = per_call(f, xd, spec["block_s"])
+    inner_t = per_call(f_th, xn, spec["block_s"])
+    ts_s, ts_t = [], []
+    for _ in range(spec["blocks"]):
+        t = time.perf_counter()
+        for _ in range(inner_s):
+            f(xd)
+        ts_s.append((time.perf_counter() - t) / inner_s)
+        t = time.perf_counter()
+        for _ in range(inner_t):
+            f_th(xn)
+        ts_t.append((time.perf_counter() - t) / inner_t)
+    emit("overhead", n=n, synk=ts_s, pytensor=ts_t, inner_synk=inner_s,
+         inner_pytensor=inner_t, ok=ok, hosts=sorted({r.host for r in info.ranks}))
+    synk.close()
+
+
+if __name__ == "__main__":
+    mode, spec = sys.argv[1], json.loads(sys.argv[2])
+    {"synk_allreduce": synk_allreduce, "mpi_allreduce": mpi_allreduce,
+     "overhead": overhead}[mode](spec)
