@@ -26,6 +26,18 @@ def prefixes():
         return []
 
 
+# ---- starting a session -----------------------------------------------------------------------
+
+# The backend the functional tests run on: numba (None), or PyTensor's JAX mode in the
+# JAX pass of scripts/test.sh (SYNK_MODE=JAX).
+BACKEND = os.environ.get("SYNK_MODE") or None
+
+
+def fork(n_parallel=None, **kw):
+    """The one way the functional tests start a session: on the backend under test."""
+    return synk.fork(n_parallel, mode=BACKEND, **kw)
+
+
 # ---- the current session ----------------------------------------------------------------------
 
 def info():

@@ -92,7 +92,7 @@ class Session:
 
 
 def build_session(n):
-    synk.fork(n)
+    tu.fork(n)
     try:
         s = Session()
         s.n = n

@@ -89,7 +89,7 @@ def values_for(op, dtype, shape, n, rng):
 @pytest.fixture(scope="class", params=[1, 2, 3], ids=["n1", "n2", "n3"])
 def S(request):
     n = request.param
-    synk.fork(n_parallel=n)
+    tu.fork(n)
     try:
         vs = {(dt, nd): pytensor.shared(np.zeros(SHAPES[nd], dt), name=f"v_{dt}_{nd}")
               for dt in DTYPES for nd in SHAPES}

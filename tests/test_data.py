@@ -14,7 +14,7 @@ import synk_testutil as tu
 
 @pytest.fixture(scope="module")
 def S():
-    synk.fork(n_parallel=2)
+    tu.fork(2)
     try:
         a = T.vector("a", dtype="float32")
         b = T.vector("b", dtype="float32")

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import synkhronos as synk
+import synk_testutil as tu
 
 MODES = ["avg", "sum", "prod", "max", "min", "gather", None, "gather", "gather"]
 I_AVG, I_SUM, I_PROD, I_MAX, I_MIN, I_GATHER, I_NONE, I_COUNTS, I_PARTIAL = range(9)
@@ -23,7 +24,7 @@ LENGTHS = [1, 2, 3, 4, 5, 6, 7, 12]
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["n2", "n3"])
 def S(request):
-    n = synk.fork(n_parallel=request.param)
+    n = tu.fork(request.param)
     assert n == request.param
     try:
         x = T.matrix("x", dtype="float32")

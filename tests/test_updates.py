@@ -23,6 +23,7 @@ except ImportError:  # older PyTensor
     from pytensor.graph.basic import ancestors
 
 import synkhronos as synk
+import synk_testutil as tu
 from synkhronos.extensions import train, updates
 
 N_IN, N_HID, N_OUT, BATCH, STEPS = 10, 6, 3, 8, 3
@@ -167,7 +168,7 @@ def build_model(x, y, tag):
 
 @pytest.fixture(scope="module")
 def session():
-    synk.fork(n_parallel=2)
+    tu.fork(2)
     try:
         x = pt.matrix("x", dtype="float32")
         y = pt.ivector("y")
