@@ -16,7 +16,7 @@ from .errors import (SynkError, WorkerError, WorkerDied, WorkerStopped, StallTim
                      ForeignSession, OutOfRange, BadArgument)
 from .collectives import (broadcast, scatter, gather, all_gather, reduce, all_reduce,
                           set_value, get_value, get_lengths, get_shapes)
-from .device import get_n_gpu  # noqa: F401  (the original's; in __all__ once docs/api.rst has it)
+from .device import get_n_gpu
 
 _sys.setrecursionlimit(max(_sys.getrecursionlimit(), 50000))
 
@@ -33,4 +33,5 @@ __all__ = ["fork", "close", "data", "Data", "function", "distribute", "Function"
            "broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
            "set_value", "get_value", "get_lengths", "get_shapes",
            "SynkError", "WorkerError", "WorkerDied", "WorkerStopped", "StallTimeout", "RankLost",
-           "ForeignSession", "OutOfRange", "BadArgument", "DebugMismatch", "debug_log", "session_info"]
+           "ForeignSession", "OutOfRange", "BadArgument", "DebugMismatch", "debug_log", "session_info",
+           "get_n_gpu"]

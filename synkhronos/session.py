@@ -436,8 +436,8 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
         mode = os.environ.get("SYNK_MODE") or None
     backend, mpi_hosts = _backend_for(n_parallel, use_gpu)
     if mpi_hosts is not None:
-        sizes = mpi_hosts[0]
-        device = select_device(sum(sizes), use_gpu, mode, local_n=sizes[0])
+        sizes = mpi_hosts[0]               # CPU ranks on every host (GPUs + MPI: not yet)
+        device = select_device(sum(sizes), False, mode, local_n=sizes[0])
     else:
         device = select_device(n_parallel, use_gpu, mode)
     if isinstance(master_rank, (bool, np.bool_)) or not isinstance(master_rank, (int, np.integer)) \
