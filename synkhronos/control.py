@@ -54,13 +54,13 @@ class Waiter:
 
     TICK = 0.02          # inside a command
     TICK_IDLE = 0.5      # a worker waiting for the next command
-    SPIN = 200e-6        # poll this long before sleeping
+    SPIN = 200e-6        # poll this long before sleeping (``fork(spin=...)``, env SYNK_SPIN)
 
-    def __init__(self, check, stall=DEFAULT_STALL, timeout=None, stream=None):
+    def __init__(self, check, stall=DEFAULT_STALL, timeout=None, stream=None, spin=None):
         self.check = check
         self.stall, self.timeout = stall, timeout
         self.stream = stream
-        self.spin = self.SPIN
+        self.spin = self.SPIN if spin is None else spin
         self.service = None          # called at every look (e.g. messages from other hosts)
 
     def wait(self, ready, sleep, owed=None, what="command", idle=False):
@@ -105,6 +105,25 @@ class Waiter:
                   "fork(timeout=...) or SYNK_TIMEOUT turns a stall into an error)", file=stream, flush=True)
         except (OSError, ValueError):
             pass
+
+
+def spin_seconds(value):
+    """How long waits poll before sleeping: ``value`` (seconds), else env ``SYNK_SPIN``, else
+    ``Waiter.SPIN``.  Longer spins wake faster after a pause between calls, and burn that
+    much of a core (yielding it to anyone who wants it) each time a rank waits."""
+    what = "spin"
+    if value is None:
+        raw = os.environ.get("SYNK_SPIN", "").strip()
+        if not raw:
+            return Waiter.SPIN
+        what = f"environment variable SYNK_SPIN={raw!r}"
+        try:
+            value = float(raw)
+        except ValueError:
+            value = raw
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"{what} must be a number of seconds in [0, 1] (e.g. 0.001), got {value!r}")
+    return float(value)
 
 
 def _owed(owed):

@@ -21,7 +21,7 @@ from . import shards
 from .commands import worker_command
 from .data import Data, condition
 from .errors import BadArgument, OutOfRange
-from .plans import CallPlan, Rows, call_from_wire, call_needs, call_to_wire
+from .plans import CallPlan, Rows, arrays_from_wire, arrays_to_wire, call_from_wire, call_needs, call_to_wire
 from .progress import busy
 from .reductions import OUTPUT_MODES, check_mode, combine
 from .replica import Replica, follow_up
@@ -443,7 +443,7 @@ class Function:
     # ---- collect -----------------------------------------------------------------------------
     def _collect(self, mine, theirs, wanted, arrays, plan):
         rt = self._rt
-        results = dict(theirs)
+        results = {r: None if rep is None else (arrays_from_wire(rep[0]), rep[1]) for r, rep in theirs.items()}
         results[rt.rank] = mine
         order = [r for r in range(rt.n) if results.get(r) is not None]
         if not order:           # no rank had rows: compute once on empty input, as serial would
@@ -635,4 +635,4 @@ def _w_call(ctx, wire, then=()):
     res = ctx.replicas[plan.fid].run(ctx, scat, bcast, plan)
     if then:
         follow_up(ctx, then)
-    return res
+    return None if res is None else (arrays_to_wire(res[0]), res[1])

@@ -4,6 +4,8 @@ They are computed and validated in the master; every rank reads them (debug fing
 included) by field.  Named tuples: they pickle as fast as plain tuples."""
 from typing import NamedTuple, Optional
 
+import numpy as np
+
 
 class ArrayRef(NamedTuple):
     """An array the master put where ranks can read it: ``handle`` (None: empty array)."""
@@ -49,6 +51,22 @@ def call_from_wire(t):
     fid, inputs, (kind, bounds, base, idx, mbs), sel_s, num_slices, send = t
     rows = Rows(kind, bounds, base, None if idx is None else ArrayRef(*idx), mbs)
     return CallPlan(fid, tuple(ArrayRef(*r) for r in inputs), rows, sel_s, num_slices, send)
+
+
+SMALL_ARRAY = 8192      # bytes: smaller results travel as bytes, larger ones out of band (read in place)
+
+
+def arrays_to_wire(arrays):
+    """A rank's results for the master: small numeric arrays as ``(dtype, shape, bytes)``
+    (they pickle ~10x faster than ndarrays), others as they are (None stays None)."""
+    return [a if a is None or a.nbytes > SMALL_ARRAY or a.dtype.kind not in "biufc"
+            else (a.dtype.str, a.shape, a.tobytes()) for a in arrays]
+
+
+def arrays_from_wire(items):
+    """Inverse of ``arrays_to_wire``: read-only arrays over the received bytes."""
+    return [x if x is None or isinstance(x, np.ndarray) else np.frombuffer(x[2], x[0]).reshape(x[1])
+            for x in items]
 
 
 class ScatterPlan(NamedTuple):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from . import signals
 import numpy as np
 
-from .control import DEFAULT_STALL, Waiter, env_seconds
+from .control import DEFAULT_STALL, Waiter, env_seconds, spin_seconds
 from .debug import DebugMismatch, compare, fingerprint
 from .debug import enabled as debug_enabled
 from .device import select_device
@@ -77,7 +77,7 @@ class Session:
     """State of one fork() … close() session in the master."""
 
     def __init__(self, device, master_rank, profile_workers=False, debug=False, stall=DEFAULT_STALL,
-                 timeout=None):
+                 timeout=None, spin=None):
         from .backends import local_backend
         self.device = device
         self.n = device.n
@@ -86,7 +86,7 @@ class Session:
         self.profile_workers = profile_workers
         self.debug = debug
         self.debug_log = []            # per command: {rank: fingerprint} (debug mode only)
-        self.waiter = Waiter(self._check, stall, timeout)
+        self.waiter = Waiter(self._check, stall, timeout, spin=spin)
         self.launcher = SubprocessLauncher()
         self.backend = local_backend
         self.ctx = None
@@ -119,7 +119,7 @@ class Session:
         cfg = dict(self.info.worker_config, n=self.n, master_rank=self.master_rank, master_pid=self.pid,
                    device=self.device.config(), sys_path=[p for p in sys.path if p],
                    profile=self.profile_workers, debug=self.debug, stall=self.waiter.stall,
-                   timeout=self.waiter.timeout)
+                   timeout=self.waiter.timeout, spin=self.waiter.spin)
 
         def env_for(r):
             env = dict(os.environ)
@@ -408,7 +408,7 @@ def get_session(require_distributed=False):
 
 def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
          max_n_var=None, max_dim=None, timeout=None, debug=None, stall=None, mode=None,
-         start_timeout=120.0):
+         start_timeout=120.0, spin=None):
     """Start one worker process per extra device; the master process is rank ``master_rank``.
 
     ``n_parallel=None`` uses every usable device (CPU cores here); each process gets its
@@ -423,7 +423,9 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
     a wait that long raises ``StallTimeout`` and closes the session (except in distribute()
     and the first call of each function, which compile: they only warn).  ``start_timeout``
     bounds the workers' start-up.  ``mode`` (default: env ``SYNK_MODE``): PyTensor's
-    compile mode for the ranks, None (numba) or "JAX"; GPUs always use JAX.
+    compile mode for the ranks, None (numba) or "JAX"; GPUs always use JAX.  ``spin``
+    (default: env ``SYNK_SPIN``, else 0.0002): seconds a waiting rank polls before it
+    sleeps; longer wakes faster after pauses between calls, at that much CPU per wait.
     Returns the number of ranks."""
     global _session
     if IN_WORKER:
@@ -432,6 +434,7 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
         raise RuntimeError("synkhronos is already forked; call synk.close() before forking again")
     stall = _seconds(stall, "stall", "SYNK_STALL", DEFAULT_STALL)
     timeout = _seconds(timeout, "timeout", "SYNK_TIMEOUT", None)
+    spin = spin_seconds(spin)
     if mode is None:
         mode = os.environ.get("SYNK_MODE") or None
     backend, mpi_hosts = _backend_for(n_parallel, use_gpu)
@@ -445,7 +448,7 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
         raise ValueError(f"master_rank must be an int in [0, {device.n - 1}], got {master_rank!r}")
     master_rank = int(master_rank)
     backend.reap()
-    s = Session(device, master_rank, profile_workers, debug_enabled(debug), stall, timeout)
+    s = Session(device, master_rank, profile_workers, debug_enabled(debug), stall, timeout, spin)
     s.backend, s.mpi_hosts = backend, mpi_hosts
     _session = s
     try:

@@ -32,7 +32,7 @@ def _quit(ctx):
 def serve(cfg):
     backend = backend_named(cfg["backend"])
     rank = cfg["rank"]
-    waiter = Waiter(master_watch(cfg["master_pid"]), None, None)   # the master watches for stalls
+    waiter = Waiter(master_watch(cfg["master_pid"]), None, None, spin=cfg.get("spin"))   # the master watches for stalls
     control, comm = backend.attach(cfg, rank, waiter)
     debug = cfg.get("debug", False)
     try:

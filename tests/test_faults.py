@@ -752,7 +752,30 @@ def test_stall_and_timeout_arguments_are_checked():
             synk.fork(2, timeout=bad)
         with pytest.raises(ValueError, match="seconds"):
             synk.fork(2, stall=bad)
+        with pytest.raises(ValueError, match="seconds"):
+            synk.fork(2, spin=bad)
+    with pytest.raises(ValueError, match="seconds"):
+        synk.fork(2, spin=1.5)
     assert synk.session_info() is None
+
+
+@pytest.mark.parametrize("spin", [0, 0.002])
+def test_spin_only_changes_how_ranks_wait(spin):
+    """spin=0: every wake-up goes through the semaphores (nobody polls); a long spin: the
+    ranks poll through the pauses.  Either way every call is right."""
+    x = T.vector("x")
+    tu.fork(2, spin=spin)
+    try:
+        f = synk.function([x], ((x * 2).sum(), "sum"))
+        synk.distribute()
+        rng = np.random.default_rng(5)
+        for i in range(30):
+            v = rng.standard_normal(5 + i % 4)
+            assert np.isclose(f(v), 2 * v.sum())
+            if i % 10 == 0:
+                time.sleep(0.05)          # a pause: the workers fall asleep
+    finally:
+        synk.close()
 
 
 # ==============================================================================================

@@ -819,7 +819,7 @@ class _Mpi:
         comm = CommStack([HierComm(prefix, 0, ctl0, True, 0, sizes, 0, w=w)])
         launcher = MpiLauncher(SubprocessLauncher(), hub, [])
         base = dict(n=session.n, master_rank=0, sys_path=[p for p in sys.path if p],
-                    profile=session.profile_workers, debug=session.debug)
+                    profile=session.profile_workers, debug=session.debug, spin=session.waiter.spin)
         for m in agents:
             dev = session.device.config()
             dev["local_n"] = sizes[m]
@@ -943,7 +943,7 @@ class _Agent:
         self.first = cfg["first"]
         self.prefix = shm.new_prefix()
         self.members = tuple(range(1, k + 1))
-        self.waiter = Waiter(lambda: None, None, None)
+        self.waiter = Waiter(lambda: None, None, None, spin=cfg.get("spin"))
         self.ctl = ShmControl(self.prefix, k + 1, 0, 0, self.waiter, create=True, members=self.members,
                               lead=0, mirror=True)
         self.host = _HostView(self.ctl)
