@@ -6,18 +6,24 @@ to show progress: the output of several hosts can interleave on stdout).
 Modes:
 
 * ``synk_allreduce``: ``synk.fork(n)``; one float32 shared variable per size, all registered
-  by one function that is never called; per size: ``synk.broadcast`` a value, then time
+  by one function (called only after the timed calls, to check the values); per size: ``synk.broadcast`` a value, then time
   ``synk.all_reduce(var, "sum")`` in the master (call to return: every rank of every host
   done) ``warmup + reps`` times.  The variable's storage stays the collective's result
   between repetitions (as in training: nothing is re-set), so the value is multiplied by n
   every time; it starts at 2**-60 and the number of repetitions is capped so that it stays
-  finite, and the final value is checked on the first and the last rank.
+  finite, and the final value (exact: powers of two) is checked on every rank (first and
+  last element, min and max over the ranks, by the registering function) with the shape.
 * ``mpi_allreduce``: mpi4py ``comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)`` on a float32
   buffer, ``Barrier`` before each repetition, the time of a repetition is the slowest
-  rank's (``allreduce(MAX)`` of the ranks' times, not timed); same values and checks.
+  rank's (``allreduce(MAX)`` of the ranks' times, not timed); same values and checks.  With
+  ``"pin": true`` the first rank of each host pins itself to a core of its own (core i for
+  host i).
 * ``overhead``: ``synk.fork(n)``; ``f = synk.function([x], (T.sum(x), "sum"))`` called on an
   8-element float32 ``synk.data``, against ``pytensor.function([x], T.sum(x))`` on the same
   numpy array, alternating blocks; median per-call time of the blocks.
+
+The synkhronos modes print ``ready`` once the session is up and, when ``spec["go"]`` names a
+file, wait for it before measuring: the parent pins the MPI processes meanwhile.
 """
 import json
 import os
@@ -42,6 +48,19 @@ def expected(n, calls):
     return V0 * float(n) ** calls
 
 
+def wait_go(spec):
+    """With ``spec["go"]`` (a path): wait until the parent created it (it pins the MPI
+    processes to cores first, once the session is up; see bench_mpi.py)."""
+    path = spec.get("go")
+    if not path:
+        return
+    end = time.monotonic() + 60
+    while not os.path.exists(path):
+        if time.monotonic() > end:
+            raise TimeoutError(f"no go from the parent ({path})")
+        time.sleep(0.01)
+
+
 def synk_allreduce(spec):
     import pytensor
     import synkhronos as synk
@@ -52,11 +71,18 @@ def synk_allreduce(spec):
          fork_s=time.perf_counter() - t0)
     sizes, reps, warmup = spec["sizes"], spec["reps"], spec["warmup"]
     vs = [pytensor.shared(np.zeros(1, np.float32), name=f"v{s}") for s in sizes]
-    synk.function([], outputs=[v.sum() for v in vs])     # registers them (never called)
+    # registers the variables; called only to check the values: the smallest and largest of
+    # each variable's first and last element over every rank of every host
+    ends = [v[[0, -1]] for v in vs]
+    check = synk.function([], outputs=[o for e in ends for o in ((e.min(), "min"), (e.max(), "max"))])
     synk.distribute()
+    emit("ready")
+    wait_go(spec)
     for size, r, v in zip(sizes, reps, vs):
         count = size // 4
+        t = time.perf_counter()
         synk.broadcast(v, np.full(count, V0, np.float32))
+        setup_s = time.perf_counter() - t
         ts = []
         for i in range(warmup + r):
             t = time.perf_counter()
@@ -65,13 +91,15 @@ def synk_allreduce(spec):
             if i >= warmup:
                 ts.append(dt)
         want = expected(n, warmup + r)
-        got = []
-        for rank in (0, n - 1):
-            a = synk.get_value(rank, v)
-            got += [float(a[0]), float(a[-1])]
-        ok = bool(a.size == count and all(g == want for g in got))
+        t = time.perf_counter()
+        i = vs.index(v)
+        out = check()
+        got = [float(out[2 * i]), float(out[2 * i + 1])]          # min, max over all ranks
+        shapes = synk.get_shapes(v)
+        ok = bool(all(g == want for g in got) and all(sh == (count,) for sh in shapes))
+        check_s = time.perf_counter() - t
         emit("allreduce", impl="synk", size=size, times=ts, ok=ok,
-             check=dict(want=want, got=got))
+             check=dict(want=want, got=got), setup_s=setup_s, check_s=check_s)
         synk.broadcast(v, np.zeros(1, np.float32))         # give the memory back (best effort)
     synk.close()
 
@@ -80,6 +108,12 @@ def mpi_allreduce(spec):
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     n = comm.Get_size()
+    ppn = spec.get("ppn", 1)
+    if spec.get("pin") and comm.rank % ppn == 0:
+        # the first rank of each host (its leader in MPICH's node-aware collectives) on a
+        # core of its own, as the master and the agents of the synkhronos runs are
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[(comm.rank // ppn) % len(cpus)]})
     if comm.rank == 0:
         emit("session", n=n, ranks=comm.gather((comm.rank, MPI.Get_processor_name())))
     else:
@@ -115,6 +149,8 @@ def overhead(spec):
     f = synk.function([x], (T.sum(x), "sum"))
     synk.distribute()
     f_th = pytensor.function([x], T.sum(x))
+    emit("ready")
+    wait_go(spec)
     xn = np.arange(8, dtype=np.float32)
     xd = synk.data(xn)
     for _ in range(20):                       # first call (JIT / cache load) and warm-up

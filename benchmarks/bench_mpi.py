@@ -7,32 +7,50 @@ per host (4 ranks in all), every figure measured within one run of this script.
    (``mpiexec -n 4 -ppn 2``).  A synkhronos time is the master's, from the call until every
    rank of every host is done; the variable's storage stays the collective's result between
    repetitions (as in training).  An mpi4py time is the slowest rank's, after a Barrier.
-   Medians over all repetitions (after a warm-up) of ``--rounds`` rounds, each round running
-   synkhronos then mpi4py, so that load from other programs affects both alike.  Bandwidths:
+   Medians over all repetitions (after a warm-up) of ``--rounds`` rounds; each round runs
+   every program once, so that load from other programs affects all alike.  Bandwidths:
    algbw = bytes / time, busbw = algbw * 2(n-1)/n.
-2. Per-call overhead of a tiny function (``synk.function([x], (T.sum(x), "sum"))`` on an
+2. Per-call time of a tiny function (``synk.function([x], (T.sum(x), "sum"))`` on an
    8-element float32 ``synk.data``): 2 hosts x 2 ranks (mpiexec) against the same program
    on one host without MPI (2 ranks, plain ``python``) and against a plain PyTensor call.
 3. Time to first step of ``demos/mnist_mlp.py`` (small configuration) on 2 hosts (mpiexec,
    4 ranks) against one host (plain python, 2 ranks): wall time from process start to each
-   milestone of its output, and the demo's own figures.  The numba cache is made warm first
-   by one untimed run of each.
+   milestone of its output, and the demo's own figures.  The demo runs its serial baseline
+   (plain PyTensor in the master) before its first synkhronos step, so the time to that step
+   is also given without the baseline's span.  The numba cache is made warm first by one
+   untimed run of each.
+
+Placement.  The simulated hosts share this machine's cores, and the processes that talk
+MPI busy-poll while they wait (MPICH's blocking calls; synkhronos's host agent polls between
+1 ms sleeps): when two that talk to each other land on the same core, every exchange between
+hosts waits for the scheduler (milliseconds), something real hosts never do.  Where that
+happens is the kernel's choice and tends to hold for a whole program, so small-size results
+are bimodal from run to run (measured on this 2-core machine: synkhronos's 4 KB all_reduce
+took ~1 ms with the master and hB's agent pinned to different cores, 10-15 ms with both
+pinned to the same one).  By default the kernel places everything (as a user of this machine would get
+it); ``--pinned`` adds a second set of 2-host runs of 1. and 2. with each host's MPI leader
+on a core of its own, as on real hosts (synkhronos: the master on core 0 and hB's agent on
+core 1, pinned by this script once the session is up, the ranks' workers left free; mpi4py:
+the first rank of each host, MPICH's node leader, pins itself).  On a machine that other
+programs keep busy, pinning can hurt as much as it helps (a pinned process cannot move away
+from a busy core).
 
 The programs run under ``mpiexec`` are in ``benchmarks/_mpi_bench_prog.py``; the hosts are
 ``tests/simhosts.py`` (network, UTS, mount and IPC namespaces, a private tmpfs /dev/shm per
-host, joined by a veth pair): **root is needed** (``sudo``).  The hosts share this machine's
-CPUs, so on a 2-core machine 4 ranks, the MPI processes and the launchers compete for 2
-cores: read the absolute numbers with that in mind (the ratios are taken in one run).
+host, joined by a veth pair): **root is needed** (``sudo``).  On a 2-core machine the 4
+ranks, the MPI processes and the launchers share 2 cores: read absolute numbers with that
+in mind (the ratios are taken within one run).
 
 Prints a line per measurement and tables; saves ``benchmarks/results/mpi.json`` and
-``benchmarks/results/mpi.png``.  Checks after every program that no process and no
-/dev/shm entry is left in either host, and at the end that nothing is left on this machine.
+``benchmarks/results/mpi.png``.  Checks after every program that no process, no /dev/shm
+entry and no temp file is left in either host, and at the end on this machine.
 
 Usage (from the repository root)::
 
-    sudo .venv/bin/python benchmarks/bench_mpi.py            # ~3 minutes on 2 cores
-    sudo .venv/bin/python benchmarks/bench_mpi.py --quick    # fewer repetitions, 1 round
-    options: --rounds N, --max-mb MB, --shm-size SIZE, --skip-demo, --out DIR
+    sudo .venv/bin/python benchmarks/bench_mpi.py            # ~3.5 minutes on 2 cores
+    sudo .venv/bin/python benchmarks/bench_mpi.py --quick    # fewer repetitions, 1 round (~1 min)
+    options: --rounds N, --max-mb MB, --shm-size SIZE, --pinned (+~1.5 min), --skip-demo,
+             --out DIR
 """
 import argparse
 import json
@@ -77,6 +95,14 @@ def fmt_t(t):
     return f"{t * 1e3:.2f} ms" if t >= 1e-3 else f"{t * 1e6:.0f} us"
 
 
+def fmt_r(x):
+    return f"{x:.2f}" if x >= 0.095 else f"{x:.3f}"
+
+
+def med(ts):
+    return float(np.median(ts)) if len(ts) else float("nan")
+
+
 def sizes_and_reps(max_mb, quick):
     sizes = [s for s in (4 * KB, 64 * KB, MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB) if s <= max_mb * MB]
     table = {4 * KB: 40, 64 * KB: 40, MB: 30, 4 * MB: 20, 16 * MB: 12, 64 * MB: 7, 256 * MB: 5}
@@ -87,6 +113,19 @@ def sizes_and_reps(max_mb, quick):
 def shm_used(hosts, host):
     st = os.statvfs(hosts.shm_path(host))
     return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def is_generated_src(path):
+    """PyTensor's numba backend writes the source it generates (each graph, composite scalar
+    op, ...) to a ``tmp*`` file it keeps (``pytensor.link.utils.write_generated_src`` when
+    ``config.generated_src_dir`` is unset)."""
+    if not os.path.basename(path).startswith("tmp") or not os.path.isfile(path):
+        return False
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(256).lstrip().startswith(b"def ")
+    except OSError:
+        return False
 
 
 class CpuShare:
@@ -107,8 +146,8 @@ class CpuShare:
 
 
 class Bench:
-    def __init__(self, hosts, tmp, args):
-        self.hosts, self.tmp, self.args = hosts, tmp, args
+    def __init__(self, hosts, tmp):
+        self.hosts, self.tmp = hosts, tmp
         self.py = sys.executable
         self.issues = []
         self.shm_peak = {h: 0 for h in HOSTS}
@@ -117,12 +156,18 @@ class Bench:
         self.prefixes = []
         self.run_tmp = os.path.join(tmp, "tmp")    # TMPDIR of the programs (and of mpiexec)
         os.mkdir(self.run_tmp, 0o700)
+        self.generated_src = 0
+        self.cpus = sorted(os.sched_getaffinity(0))
+        self.pinned = []
 
     # ---- running one program -----------------------------------------------------------
-    def run(self, label, cmd, on_result=None, timeout=600):
+    def run(self, label, cmd, on_result=None, timeout=600, pin=False):
         """Run ``cmd`` (argv already placed on a host) with output lines timestamped (s since
-        start), follow its result file (``on_result`` per BENCH line as it appears); return
-        (returncode, [(t, line)], [results], wall)."""
+        start), follow its result file (``on_result`` per BENCH line as it appears); with
+        ``pin``, pin the MPI processes once the program says "ready", then let it go (the
+        program waits for the file ``self.go_path()``, passed in its spec as "go").
+        Returns (returncode, [(t, line)], [results], wall)."""
+        go = self.go_path()
         self.k += 1
         rfile = os.path.join(self.tmp, f"result{self.k}.jsonl")
         env = {"SYNK_RESULT_FILE": rfile, "PYTHONUNBUFFERED": "1",
@@ -147,11 +192,14 @@ class Bench:
                 fh.seek(seen)
                 chunk = fh.read()
             done = chunk[:chunk.rfind("\n") + 1]
-            seen += len(done.encode())
+            seen += len(done)
             for ln in done.splitlines():
                 if ln.startswith("BENCH "):
                     r = json.loads(ln[6:])
                     results.append(r)
+                    if r["kind"] == "ready" and pin:
+                        self.pin_leaders(label)
+                        open(go, "w").close()
                     if on_result:
                         on_result(r)
         timed_out = False
@@ -170,14 +218,15 @@ class Bench:
                     pass
                 self.hosts.kill_all()
                 break
-            time.sleep(0.1)
+            time.sleep(0.05)
         p.wait()
         wall = time.perf_counter() - t0
         th.join(10)
         p.stdout.close()
         follow()
-        if os.path.exists(rfile):
-            os.unlink(rfile)
+        for f in (rfile, go):
+            if os.path.exists(f):
+                os.unlink(f)
         if os.path.exists(self.prefix_log):
             with open(self.prefix_log) as fh:
                 self.prefixes = sorted({ln.strip().lstrip("/") for ln in fh if ln.strip()})
@@ -188,20 +237,41 @@ class Bench:
         self.check_clean(label)
         return p.returncode, lines, results, wall
 
+    def go_path(self):
+        """The file the next program waits for before measuring (when its spec names it)."""
+        return os.path.join(self.tmp, f"go{self.k + 1}")
+
+    def pin_leaders(self, label):
+        """The MPI process of each host (synkhronos: the master, the agent) on its own core."""
+        ranks = self.hosts.rank_pids()           # {MPI rank: (host, pid)}
+        done = []
+        for rank, (host, pid) in ranks.items():
+            cpu = self.cpus[HOSTS.index(host) % len(self.cpus)]
+            try:
+                os.sched_setaffinity(pid, {cpu})
+                done.append((rank, host, cpu))
+            except OSError as e:
+                self.issues.append(f"{label}: could not pin MPI rank {rank} ({e})")
+        self.pinned.append((label, done))
+
     def check_clean(self, label):
-        """No process and no /dev/shm entry may be left on either host after a program."""
+        """No process, no /dev/shm entry and no temp file may be left after a program."""
         if not self.hosts.wait_idle(10):
             left = self.hosts.processes()
             self.issues.append(f"after {label}: processes left {left}")
             log(f"WARNING after {label}: processes left {left}; killing them")
             self.hosts.kill_all()
-        left = os.listdir(self.run_tmp)
-        if left:
-            self.issues.append(f"after {label}: temp files left in TMPDIR: {sorted(left)}")
-            log(f"WARNING after {label}: temp files left in TMPDIR {sorted(left)}; removing them")
-            for e in left:
-                path = os.path.join(self.run_tmp, e)
-                shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
+        other = []
+        for e in os.listdir(self.run_tmp):
+            path = os.path.join(self.run_tmp, e)
+            if is_generated_src(path):
+                self.generated_src += 1
+            else:
+                other.append(e)
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
+        if other:
+            self.issues.append(f"after {label}: temp files left (removed): {sorted(other)}")
+            log(f"WARNING after {label}: temp files left {sorted(other)}; removed them")
         t = time.monotonic() + 5
         while any(self.hosts.shm_files().values()) and time.monotonic() < t:
             time.sleep(0.05)
@@ -218,64 +288,70 @@ class Bench:
         return self.hosts.host_argv([self.py, *argv], host)
 
     # ---- 1. all_reduce -------------------------------------------------------------------
-    def allreduce(self, sizes, reps, warm, rounds):
-        raw = {"synk": {s: [] for s in sizes}, "mpi4py": {s: [] for s in sizes}}
-        per_round = {"synk": {s: [] for s in sizes}, "mpi4py": {s: [] for s in sizes}}
-        checks_ok = True
-        sessions = {}
+    def allreduce(self, sizes, reps, warm, rounds, placements):
+        keys = [(impl, pl) for pl in placements for impl in ("synk", "mpi4py")]
+        raw = {k: {s: [] for s in sizes} for k in keys}
+        per_round = {k: {s: [] for s in sizes} for k in keys}
+        checks = []
         for rnd in range(rounds):
-            for impl in ("synk", "mpi4py"):
-                def show(r, impl=impl, rnd=rnd):
-                    nonlocal checks_ok
-                    if r["kind"] == "session":
-                        sessions[impl] = r["ranks"]
+            for impl, pl in keys:
+                def show(r, key=(impl, pl), rnd=rnd):
+                    if r["kind"] != "allreduce":
                         return
                     ts = r["times"]
-                    raw[impl][r["size"]] += ts
-                    per_round[impl][r["size"]].append(float(np.median(ts)))
-                    checks_ok &= bool(r["ok"])
-                    log(f"all_reduce {impl:6s} round {rnd + 1}/{rounds} {fmt_size(r['size']):>6}: "
-                        f"median {fmt_t(float(np.median(ts)))} over {len(ts)} reps "
-                        f"(min {fmt_t(min(ts))}){'' if r['ok'] else '  WRONG RESULT ' + json.dumps(r['check'])}")
+                    raw[key][r["size"]] += ts
+                    per_round[key][r["size"]].append(med(ts))
+                    checks.append(bool(r["ok"]))
+                    log(f"all_reduce {key[0]:6s} {key[1]:7s} round {rnd + 1}/{rounds} "
+                        f"{fmt_size(r['size']):>6}: median {fmt_t(med(ts))} over {len(ts)} reps "
+                        f"(min {fmt_t(min(ts))})"
+                        f"{'' if r['ok'] else '  WRONG RESULT ' + json.dumps(r['check'])}")
                 spec = {"sizes": sizes, "reps": reps, "warmup": warm}
                 if impl == "synk":
                     spec["n"] = N_RANKS
+                    if pl == "pinned":
+                        spec["go"] = self.go_path()
                     cmd = self.mpiexec(2, 1, [PROG, "synk_allreduce", json.dumps(spec)])
                 else:
+                    spec.update(ppn=2, pin=pl == "pinned")
                     cmd = self.mpiexec(4, 2, [PROG, "mpi_allreduce", json.dumps(spec)])
-                rc, _, res, wall = self.run(f"all_reduce {impl} round {rnd + 1}", cmd, show)
-                log(f"  (program {impl} round {rnd + 1}: {wall:.1f} s wall, exit {rc})")
-        return raw, per_round, checks_ok, sessions
+                rc, _, _, wall = self.run(f"all_reduce {impl} {pl} round {rnd + 1}", cmd, show,
+                                          pin=impl == "synk" and pl == "pinned")
+                log(f"  (program: {wall:.1f} s, exit {rc})")
+        return raw, per_round, all(checks) and bool(checks)
 
-    # ---- 2. per-call overhead --------------------------------------------------------------
-    def overhead(self, rounds, blocks, block_s):
-        out = {"two_hosts": [], "one_host": []}
+    # ---- 2. per-call time ----------------------------------------------------------------
+    def overhead(self, rounds, blocks, block_s, placements):
+        wheres = [f"two_hosts_{pl}" for pl in placements] + ["one_host"]
+        out = {w: [] for w in wheres}
         for rnd in range(rounds):
-            for where in ("two_hosts", "one_host"):
-                if where == "two_hosts":
+            for where in wheres:
+                if where.startswith("two_hosts"):
                     spec = {"n": N_RANKS, "blocks": blocks, "block_s": block_s}
+                    if where.endswith("pinned"):
+                        spec["go"] = self.go_path()
                     cmd = self.mpiexec(2, 1, [PROG, "overhead", json.dumps(spec)])
                 else:
                     spec = {"n": 2, "blocks": blocks, "block_s": block_s}
                     cmd = self.on_host([PROG, "overhead", json.dumps(spec)])
-                rc, _, res, wall = self.run(f"overhead {where} round {rnd + 1}", cmd)
+                _, _, res, _ = self.run(f"overhead {where} round {rnd + 1}", cmd,
+                                        pin=where.endswith("pinned"))
                 for r in res:
                     if r["kind"] == "overhead":
                         out[where].append(r)
-                        log(f"per-call {where:9s} round {rnd + 1}/{rounds} ({r['n']} ranks on "
-                            f"{', '.join(r['hosts'])}): synk {np.median(r['synk']) * 1e6:.1f} us, "
-                            f"plain PyTensor {np.median(r['pytensor']) * 1e6:.2f} us"
+                        log(f"per-call {where:17s} round {rnd + 1}/{rounds} ({r['n']} ranks on "
+                            f"{', '.join(r['hosts'])}): synk {med(r['synk']) * 1e6:.1f} us, "
+                            f"plain PyTensor {med(r['pytensor']) * 1e6:.2f} us"
                             f"{'' if r['ok'] else '  WRONG RESULT'}")
         return out
 
-    # ---- 3. demo -----------------------------------------------------------------------------
-    def demo_cmd(self, where):
-        if where == "two_hosts":
-            return self.mpiexec(2, 1, [DEMO, *DEMO_ARGS, "--n-parallel", str(N_RANKS)])
-        return self.on_host([DEMO, *DEMO_ARGS, "--n-parallel", "2"])
-
+    # ---- 3. demo ---------------------------------------------------------------------------
     def demo(self, where, label):
-        rc, lines, _, wall = self.run(f"demo {where} {label}", self.demo_cmd(where))
+        if where == "two_hosts":
+            cmd = self.mpiexec(2, 1, [DEMO, *DEMO_ARGS, "--n-parallel", str(N_RANKS)])
+        else:
+            cmd = self.on_host([DEMO, *DEMO_ARGS, "--n-parallel", "2"])
+        rc, lines, _, wall = self.run(f"demo {where} {label}", cmd)
         d = parse_demo(lines)
         d["wall_s"], d["exit"] = wall, rc
         return d
@@ -311,20 +387,19 @@ def parse_demo(lines):
     return d
 
 
-def med(ts):
-    return float(np.median(ts)) if len(ts) else float("nan")
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions, one round")
     ap.add_argument("--rounds", type=int, default=None,
-                    help="rounds of (synkhronos, mpi4py) runs, pooled (default 2; 1 with --quick)")
+                    help="rounds (every program once per round), pooled (default 2; 1 with --quick)")
     ap.add_argument("--max-mb", type=int, default=256, help="largest all_reduce buffer (MB)")
     ap.add_argument("--shm-size", default=None,
-                    help="tmpfs size of each simulated host's /dev/shm (default: 4g for 256 MB "
-                         "buffers, scaled down for smaller --max-mb)")
+                    help="tmpfs size of each simulated host's /dev/shm (default: 16x the "
+                         "largest buffer, at least 1g: 4g for 256 MB)")
+    ap.add_argument("--pinned", action="store_true",
+                    help="also run the 2-host programs of 1. and 2. with each host's MPI leader "
+                         "pinned to a core of its own (see 'Placement' above)")
     ap.add_argument("--skip-demo", action="store_true", help="skip the demo (3.)")
     ap.add_argument("--out", default=RESULTS, help="directory for mpi.json and mpi.png")
     args = ap.parse_args()
@@ -337,59 +412,61 @@ def main():
         sys.exit(f"bench_mpi.py needs simulated hosts: {why} (run it as root: sudo)")
     if not os.path.exists(os.path.join(os.path.dirname(sys.executable), "mpiexec")):
         sys.exit("no mpiexec next to the interpreter: pip install 'synkhronos[mpi]'")
-
     cores = len(os.sched_getaffinity(0))
-    log(f"bench_mpi: hosts {', '.join(HOSTS)} x 2 ranks, {cores} cores on this machine, "
-        f"rounds {rounds}, sizes {', '.join(fmt_size(s) for s in sizes)}, /dev/shm {shm_size} per host")
+    placements = ["default"] + (["pinned"] if args.pinned and cores >= 2 else [])
+
+    log(f"bench_mpi: hosts {', '.join(HOSTS)} x 2 ranks, {cores} cores here, rounds {rounds}, "
+        f"placements {', '.join(placements)}, sizes {', '.join(fmt_size(s) for s in sizes)}, "
+        f"/dev/shm {shm_size} per host")
     idle = CpuShare()
     time.sleep(1.0)
     busy_before = idle.share()
-    load_before = os.getloadavg()
+    load_before = os.getloadavg()[0]
     log(f"machine busy before starting (other programs): {busy_before * 100:.0f}% of all cores, "
-        f"load average {load_before[0]:.2f}")
+        f"load average {load_before:.2f}")
     shm_before = set(os.listdir("/dev/shm"))
-    prefixes = []
     tmp_before = set(os.listdir(tempfile.gettempdir()))
     tmp = tempfile.mkdtemp(prefix="synk-bench-mpi-")
     res = {"config": dict(hosts=list(HOSTS), ranks=N_RANKS, ranks_per_host=2, cores=cores,
-                          rounds=rounds, sizes=sizes, reps=reps, warmup=warm, quick=args.quick,
-                          shm_size=shm_size, demo_args=DEMO_ARGS, python=sys.executable,
-                          busy_before=busy_before, loadavg_before=load_before[0])}
+                          rounds=rounds, placements=placements, sizes=sizes, reps=reps,
+                          warmup=warm, quick=args.quick, shm_size=shm_size, demo_args=DEMO_ARGS,
+                          python=sys.executable, busy_before=busy_before, loadavg_before=load_before)}
     during = CpuShare()
     t_all = time.perf_counter()
+    demos = {"two_hosts": [], "one_host": []}
+    prefixes = []
     try:
         with simhosts.SimHosts(HOSTS, shm_size=shm_size) as hosts:
-            b = Bench(hosts, tmp, args)
+            b = Bench(hosts, tmp)
             if not args.skip_demo:
                 for where in ("two_hosts", "one_host"):
-                    log(f"warming the numba cache: one untimed run of the demo on {where.replace('_', ' ')}")
+                    log(f"warming the numba cache: one untimed run of the demo on "
+                        f"{where.replace('_', ' ')}")
                     d = b.demo(where, "warm-up")
                     log(f"  warm-up run done ({d['wall_s']:.1f} s, exit {d['exit']})")
-            raw, per_round, checks_ok, sessions = b.allreduce(sizes, reps, warm, rounds)
-            ovh = b.overhead(rounds, blocks=5 if args.quick else 7, block_s=0.15 if args.quick else 0.25)
-            demos = {"two_hosts": [], "one_host": []}
+            raw, per_round, checks_ok = b.allreduce(sizes, reps, warm, rounds, placements)
+            ovh = b.overhead(rounds, 5 if args.quick else 7, 0.15 if args.quick else 0.25, placements)
             if not args.skip_demo:
                 for rnd in range(rounds):
                     for where in ("two_hosts", "one_host"):
                         d = b.demo(where, f"round {rnd + 1}")
                         demos[where].append(d)
                         log(f"demo {where:9s} round {rnd + 1}/{rounds}: first step done at "
-                            f"{d.get('t_first_step', float('nan')):.2f} s, exit after {d['wall_s']:.2f} s"
-                            f" (exit {d['exit']})")
-            shm_peak = dict(b.shm_peak)
-            issues = b.issues
-            prefixes = b.prefixes
+                            f"{d.get('t_first_step', float('nan')):.2f} s, exit after "
+                            f"{d['wall_s']:.2f} s (exit {d['exit']})")
+            shm_peak, issues, prefixes = dict(b.shm_peak), b.issues, b.prefixes
+            generated_src, pinned = b.generated_src, b.pinned
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     busy_during = during.share()
     total = time.perf_counter() - t_all
 
     # ---- leftovers on this machine ---------------------------------------------------------
+    # The programs ran inside the hosts (private /dev/shm and TMPDIR, checked after each);
+    # here nothing of their sessions may have reached this machine's /dev/shm (other
+    # programs' entries, e.g. a test suite running meanwhile, are told apart by the session
+    # prefixes ours logged through SYNK_PREFIX_LOG), nor a temp dir of ours, nor a process.
     time.sleep(0.5)
-    # (the programs ran inside the hosts' private /dev/shm, checked after each; here: nothing
-    # of their sessions may have reached this machine's /dev/shm.  Other programs' entries,
-    # e.g. a test suite running meanwhile, are not counted: every session prefix of ours was
-    # logged through SYNK_PREFIX_LOG)
     shm_new = sorted(set(os.listdir("/dev/shm")) - shm_before)
     shm_ours = [e for e in shm_new if any(p in e for p in prefixes)]
     tmp_new = sorted(set(os.listdir(tempfile.gettempdir())) - tmp_before)
@@ -400,115 +477,122 @@ def main():
         issues.append(f"temp entries left: {mine}")
     left_procs = []
     for pid in os.listdir("/proc"):
-        if pid.isdigit():
+        if pid.isdigit() and int(pid) != os.getpid():
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as fh:
                     cl = fh.read().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            if (PROG in cl or "mnist_mlp.py" in cl and "mpiexec" in cl) and int(pid) != os.getpid():
+            if PROG in cl or (DEMO in cl and "mpiexec" in cl) or tmp in cl:
                 left_procs.append((int(pid), cl[:120]))
     if left_procs:
         issues.append(f"processes left: {left_procs}")
 
-    # ---- 1. table ------------------------------------------------------------------------------
+    # ---- 1. table --------------------------------------------------------------------------
     n = N_RANKS
-    ar = {}
-    print(f"\n1. all_reduce (float32, sum) over 2 hosts x 2 ranks: median time, algbw / busbw "
-          f"[GB/s]; ratio = mpi4py / synk (>1: synk faster); per-round ratios in brackets")
-    hdr = (f"{'size':>7} | {'synk':>10} {'alg':>6} {'bus':>6} | {'mpi4py':>10} {'alg':>6} {'bus':>6} | "
-           f"{'ratio':>6}  {'(per round)':<14}")
-    print(hdr)
-    print("-" * len(hdr))
-    for s in sizes:
-        ts, tm = med(raw["synk"][s]), med(raw["mpi4py"][s])
-        rr = [m / q for q, m in zip(per_round["synk"][s], per_round["mpi4py"][s])]
-        a_s, a_m = s / ts / 1e9, s / tm / 1e9
-        f = 2 * (n - 1) / n
-        ar[s] = dict(synk_s=ts, mpi4py_s=tm, ratio=tm / ts, ratio_per_round=rr,
-                     synk_algbw_GBps=a_s, synk_busbw_GBps=a_s * f, mpi4py_algbw_GBps=a_m,
-                     mpi4py_busbw_GBps=a_m * f, synk_times=raw["synk"][s], mpi4py_times=raw["mpi4py"][s])
-        print(f"{fmt_size(s):>7} | {fmt_t(ts):>10} {a_s:6.3f} {a_s * f:6.3f} | {fmt_t(tm):>10} "
-              f"{a_m:6.3f} {a_m * f:6.3f} | {tm / ts:6.2f}  [{' '.join(f'{x:.2f}' for x in rr)}]")
-    big = [s for s in sizes if s >= 4 * MB]
-    if big:
-        met = [s for s in big if ar[s]["ratio"] >= 1.5]
-        listed = ", ".join(f"{fmt_size(s)} {ar[s]['ratio']:.2f}" for s in big)
-        print(f"goal (issue): synk >= 1.5x faster than mpi4py from 4 MB up: "
-              f"{'MET' if len(met) == len(big) else 'NOT MET'} (ratios {listed})")
-    print(f"results checked (every value after the last call, first and last rank): "
+    f = 2 * (n - 1) / n
+    ar = {pl: {} for pl in placements}
+    print("\n1. all_reduce (float32, sum), 2 hosts x 2 ranks: median time, algbw / busbw [GB/s]; "
+          "ratio = mpi4py time / synk time (>1: synk faster), per-round ratios in brackets")
+    for pl in placements:
+        print(f"\n  placement '{pl}'" + (" (kernel's choice)" if pl == "default" else
+                                         " (each host's MPI leader on its own core)"))
+        hdr = (f"  {'size':>7} | {'synk':>10} {'alg':>6} {'bus':>6} | {'mpi4py':>10} {'alg':>6} "
+               f"{'bus':>6} | {'ratio':>6}  per round")
+        print(hdr)
+        print("  " + "-" * (len(hdr) - 2))
+        for s in sizes:
+            xs, xm = raw[("synk", pl)][s], raw[("mpi4py", pl)][s]
+            ts, tm = med(xs), med(xm)
+            rr = [m / q for q, m in zip(per_round[("synk", pl)][s], per_round[("mpi4py", pl)][s])]
+            a_s, a_m = s / ts / 1e9, s / tm / 1e9
+            ar[pl][s] = dict(synk_s=ts, mpi4py_s=tm, ratio=tm / ts, ratio_per_round=rr,
+                             synk_algbw_GBps=a_s, synk_busbw_GBps=a_s * f, mpi4py_algbw_GBps=a_m,
+                             mpi4py_busbw_GBps=a_m * f, synk_times=xs, mpi4py_times=xm)
+            print(f"  {fmt_size(s):>7} | {fmt_t(ts):>10} {a_s:6.3f} {a_s * f:6.3f} | {fmt_t(tm):>10} "
+                  f"{a_m:6.3f} {a_m * f:6.3f} | {fmt_r(tm / ts):>6}  [{' '.join(fmt_r(x) for x in rr)}]")
+        big = [s for s in sizes if s >= 4 * MB]
+        if big:
+            met = all(ar[pl][s]["ratio"] >= 1.5 for s in big)
+            listed = ", ".join(f"{fmt_size(s)} {ar[pl][s]['ratio']:.2f}" for s in big)
+            print(f"  goal (synk >= 1.5x faster than mpi4py from 4 MB up): "
+                  f"{'MET' if met else 'NOT MET'} ({listed})")
+    print(f"  results checked (exact value after the last call, every rank, first and last element): "
           f"{'ok' if checks_ok else 'WRONG RESULTS (see above)'}")
 
-    # ---- 2. table ------------------------------------------------------------------------------
+    # ---- 2. table --------------------------------------------------------------------------
     ov = {}
-    print("\n2. per-call time of a tiny function (sum of an 8-element float32 synk.data), median "
-          "of blocks [us]")
-    for where, label in (("two_hosts", "synk, 2 hosts x 2 ranks (mpiexec)"),
-                         ("one_host", "synk, 1 host x 2 ranks (no MPI)")):
+    print("\n2. per-call time of a tiny function (sum of an 8-element float32 synk.data): median of "
+          "blocks [us]")
+    pt_all = [t * 1e6 for rs in ovh.values() for r in rs for t in r["pytensor"]]
+    ov["pytensor_us"] = med(pt_all)
+    print(f"  {'plain PyTensor call':44s} {ov['pytensor_us']:9.2f}")
+    labels = {"one_host": "synk, 1 host x 2 ranks (no MPI)"}
+    labels.update({f"two_hosts_{pl}": f"synk, 2 hosts x 2 ranks (mpiexec), {pl}" for pl in placements})
+    for where in ["one_host"] + [f"two_hosts_{pl}" for pl in placements]:
         rs = ovh[where]
-        s_all = [t for r in rs for t in r["synk"]]
-        p_all = [t for r in rs for t in r["pytensor"]]
-        ov[where] = dict(synk_us=med(s_all) * 1e6, pytensor_us=med(p_all) * 1e6,
-                         synk_blocks_us=[t * 1e6 for t in s_all],
+        if not rs:
+            continue
+        s_all = [t * 1e6 for r in rs for t in r["synk"]]
+        ov[where] = dict(synk_us=med(s_all), synk_blocks_us=s_all,
                          per_round_us=[med(r["synk"]) * 1e6 for r in rs],
-                         ok=all(r["ok"] for r in rs), n=rs[0]["n"] if rs else None)
-    if ov["two_hosts"]["n"] and ov["one_host"]["n"]:
-        pt_us = med([t * 1e6 for w in ("two_hosts", "one_host") for r in ovh[w] for t in r["pytensor"]])
-        t2, t1 = ov["two_hosts"]["synk_us"], ov["one_host"]["synk_us"]
-        print(f"  {'plain PyTensor call':38s} {pt_us:10.2f}")
-        print(f"  {'synk, 1 host x 2 ranks (no MPI)':38s} {t1:10.1f}   (+{t1 - pt_us:.1f} over PyTensor)"
-              f"   per round {' '.join(f'{x:.1f}' for x in ov['one_host']['per_round_us'])}")
-        print(f"  {'synk, 2 hosts x 2 ranks (mpiexec)':38s} {t2:10.1f}   (+{t2 - pt_us:.1f}; "
-              f"{t2 / t1:.1f}x one host)   per round "
-              f"{' '.join(f'{x:.1f}' for x in ov['two_hosts']['per_round_us'])}")
-        ov["pytensor_us"] = pt_us
-        ov["two_over_one_host"] = t2 / t1
+                         pytensor_us=med([t * 1e6 for r in rs for t in r["pytensor"]]),
+                         ok=all(r["ok"] for r in rs), n=rs[0]["n"])
+        extra = ""
+        if where != "one_host" and "one_host" in ov:
+            extra = f"; {ov[where]['synk_us'] / ov['one_host']['synk_us']:.1f}x one host"
+        print(f"  {labels[where]:44s} {ov[where]['synk_us']:9.1f}   (+{ov[where]['synk_us'] - ov['pytensor_us']:.1f} "
+              f"over PyTensor{extra})   per round "
+              f"{' '.join(f'{x:.1f}' for x in ov[where]['per_round_us'])}")
 
-    # ---- 3. table ------------------------------------------------------------------------------
+    # ---- 3. table --------------------------------------------------------------------------
     dm = {}
     if not args.skip_demo:
-        print(f"\n3. demos/mnist_mlp.py {' '.join(DEMO_ARGS)} (numba cache warm: one untimed run "
-              f"of each first): seconds since process start, median of {rounds} run(s)")
-        keys = [("t_fork", "synk.fork() done"), ("t_distributed", "distribute() done"),
-                ("t_serial_done", "serial baseline done (demo's own)"),
-                ("t_first_step", "first synk step (+first evaluate) done"),
-                ("t_first_step_wo_serial", "  same, minus the serial-baseline span"),
+        print(f"\n3. demos/mnist_mlp.py {' '.join(DEMO_ARGS)}; numba cache warm (one untimed run "
+              f"of each first); seconds since the process started, median of {rounds} run(s), "
+              f"kernel's placement")
+        keys = [("t_fork", "synk.fork() done"), ("t_distributed", "synk.distribute() done"),
+                ("t_serial_done", "demo's serial baseline done"),
+                ("t_first_step", "first synk step (+ first evaluate) done"),
+                ("t_first_step_wo_serial", "  the same minus the serial-baseline span"),
                 ("wall_s", "process exit"), ("distribute_s", "demo: distribute() took"),
                 ("jit_synk_s", "demo: synk first call (excluded)"),
                 ("jit_serial_s", "demo: serial first call (excluded)"),
                 ("graph_build_s", "demo: graph build"), ("epoch_s", "demo: synk epoch (3 steps)")]
-        print(f"  {'':42s} {'2 hosts (4 ranks)':>18s} {'1 host (2 ranks)':>17s}")
+        print(f"  {'':44s} {'2 hosts (4 ranks)':>18s} {'1 host (2 ranks)':>17s}")
         for k, label in keys:
             v2 = med([d[k] for d in demos["two_hosts"] if k in d])
             v1 = med([d[k] for d in demos["one_host"] if k in d])
             dm[k] = {"two_hosts": v2, "one_host": v1}
-            print(f"  {label:42s} {v2:18.2f} {v1:17.2f}")
+            print(f"  {label:44s} {v2:18.2f} {v1:17.2f}")
         dm["runs"] = demos
         for where in ("two_hosts", "one_host"):
             for d in demos[where][:1]:
-                print(f"  {where}: {d.get('result_line', '(no RESULT line)')}")
+                print(f"  {where} (round 1): {d.get('result_line', '(no RESULT line)')[:200]}")
 
-    # ---- summary ---------------------------------------------------------------------------------
-    print(f"\nmachine: {cores} cores; other programs kept {busy_before * 100:.0f}% busy before; "
-          f"whole machine {busy_during * 100:.0f}% busy during the benchmark; "
-          f"peak /dev/shm use hA {shm_peak['hA'] / MB:.0f} MB, hB {shm_peak['hB'] / MB:.0f} MB "
-          f"(of {shm_size} each)")
-    print("clean-up: " + ("nothing left (processes, /dev/shm of both hosts and of this machine, "
+    # ---- summary ------------------------------------------------------------------------------
+    print(f"\nmachine: {cores} cores; other programs kept {busy_before * 100:.0f}% of them busy "
+          f"before the start (load average {load_before:.2f}); the whole machine was "
+          f"{busy_during * 100:.0f}% busy during the benchmark; peak /dev/shm use "
+          f"hA {shm_peak['hA'] / MB:.0f} MB, hB {shm_peak['hB'] / MB:.0f} MB (of {shm_size} each)")
+    print("clean-up: " + ("nothing left (processes and /dev/shm of both hosts and of this machine, "
                           "temp files)" if not issues else "PROBLEMS: " + "; ".join(issues)))
-    print(f"  ({len(prefixes)} synkhronos session prefixes made on the hosts; entries of them in this "
-          f"machine's /dev/shm: {len(shm_ours)})")
+    print(f"  {len(prefixes)} synkhronos session prefixes made; entries of them in this machine's "
+          f"/dev/shm: {len(shm_ours)}")
+    if generated_src:
+        print(f"  {generated_src} temp files of PyTensor's generated source (PyTensor keeps one per "
+              f"generated function and process when config.generated_src_dir is unset) were "
+              f"left by the programs in their TMPDIR and removed")
     if len(shm_new) > len(shm_ours):
-        print(f"  (this machine's /dev/shm got {len(shm_new) - len(shm_ours)} entries from other "
-              f"programs meanwhile, not from this benchmark)")
-    other_tmp = [e for e in tmp_new if e not in mine]
-    if other_tmp:
-        print(f"  ({len(other_tmp)} new entries in {tempfile.gettempdir()} meanwhile, none of them this "
-              f"benchmark's (temp dirs synk-bench-mpi-*, {simhosts.NS_PREFIX}-*), e.g. {other_tmp[:3]})")
+        print(f"  this machine's /dev/shm got {len(shm_new) - len(shm_ours)} entries from other "
+              f"programs meanwhile (not from this benchmark)")
     print(f"total {total:.0f} s")
-    res.update(allreduce={str(s): v for s, v in ar.items()}, overhead=ov, demo=dm,
+    res.update(allreduce={pl: {str(s): v for s, v in d.items()} for pl, d in ar.items()},
+               overhead=ov, demo=dm, checks_ok=checks_ok, pinned=pinned,
                machine=dict(busy_during=busy_during, shm_peak_bytes=shm_peak,
                             loadavg_after=os.getloadavg()[0]),
-               sessions=sessions, session_prefixes=len(prefixes), checks_ok=checks_ok, issues=issues, total_s=total)
+               session_prefixes=len(prefixes), generated_src_files_removed=generated_src,
+               issues=issues, total_s=total)
     os.makedirs(args.out, exist_ok=True)
     jpath = os.path.join(args.out, "mpi.json")
     with open(jpath, "w") as fh:
@@ -526,32 +610,44 @@ def plot(sizes, ar, ov, path):
         print("matplotlib not installed: no figure")
         return
     x = np.array(sizes)
-    fig, ax = plt.subplots(1, 3, figsize=(15, 4.3))
-    for impl, style, color in (("synk", "-o", "C0"), ("mpi4py", "-^", "C1")):
-        ax[0].loglog(x, [ar[s][f"{impl}_s"] * 1e3 for s in sizes], style, color=color,
-                     label="synkhronos (hierarchical)" if impl == "synk" else "mpi4py Allreduce")
-        ax[1].loglog(x, [ar[s][f"{impl}_busbw_GBps"] for s in sizes], style, color=color, label=impl)
+    fig, ax = plt.subplots(1, 3, figsize=(16, 4.6))
+    styles = {"default": "-", "pinned": "--"}
+    for pl, d in ar.items():
+        for impl, mark, color in (("synk", "o", "C0"), ("mpi4py", "^", "C1")):
+            name = "synkhronos" if impl == "synk" else "mpi4py Allreduce"
+            ax[0].loglog(x, [d[s][f"{impl}_s"] * 1e3 for s in sizes], styles[pl] + mark,
+                         color=color, label=f"{name} ({pl})")
+            ax[1].loglog(x, [d[s][f"{impl}_busbw_GBps"] for s in sizes], styles[pl] + mark,
+                         color=color, label=f"{name} ({pl})")
+        ax[2].semilogx(x, [d[s]["ratio"] for s in sizes], styles[pl] + "o",
+                       color="C2" if pl == "default" else "C4", label=f"mpi4py / synk ({pl})")
+        for s in sizes:
+            rr = d[s]["ratio_per_round"]
+            ax[2].plot([s] * len(rr), rr, "x", color="0.6")
     ax[0].set_ylabel("time [ms]")
-    ax[0].set_title("all_reduce float32, 2 hosts x 2 ranks")
+    ax[0].set_title("all_reduce float32 sum, 2 hosts x 2 ranks")
     ax[1].set_ylabel("busbw [GB/s]")
-    ax[1].set_title("bus bandwidth (algbw x 2(n-1)/n)")
-    ratio = [ar[s]["ratio"] for s in sizes]
-    ax[2].semilogx(x, ratio, "-o", color="C2", label="mpi4py / synk (pooled median)")
-    for i, s in enumerate(sizes):
-        rr = ar[s]["ratio_per_round"]
-        ax[2].plot([s] * len(rr), rr, "x", color="0.5", label="per round" if i == 0 else None)
+    ax[1].set_title("bus bandwidth = bytes/time x 2(n-1)/n")
     ax[2].axhline(1.0, color="0.3", lw=0.8)
-    ax[2].axhline(1.5, color="C3", ls="--", lw=0.8, label="goal from 4 MB: 1.5")
-    ax[2].set_ylabel("time ratio (>1: synk faster)")
-    ax[2].set_title("ratio")
+    ax[2].axhline(1.5, color="C3", ls=":", lw=1, label="goal from 4 MB: 1.5")
+    ax[2].set_yscale("log")
+    ax[2].set_ylabel("time ratio (>1: synk faster); x: per round")
+    ax[2].set_title("mpi4py time / synkhronos time")
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+    ax[2].yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax[2].yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "25" else ""))
     for a in ax:
-        a.set_xlabel("buffer size [bytes]")
+        a.set_xticks(sizes, [fmt_size(s) for s in sizes], fontsize=8)
+        a.xaxis.set_minor_formatter(NullFormatter())
+        a.set_xlabel("buffer size")
         a.grid(True, which="both", alpha=0.3)
-        a.legend(fontsize=8)
-    if ov.get("pytensor_us") is not None:
-        fig.suptitle(f"per-call tiny function: PyTensor {ov['pytensor_us']:.1f} us, synk 1 host "
-                     f"{ov['one_host']['synk_us']:.0f} us, synk 2 hosts {ov['two_hosts']['synk_us']:.0f} us",
-                     fontsize=9)
+        a.legend(fontsize=7)
+    parts = [f"PyTensor {ov['pytensor_us']:.1f} us"]
+    if "one_host" in ov:
+        parts.append(f"synk 1 host {ov['one_host']['synk_us']:.0f} us")
+    parts += [f"synk 2 hosts ({k[10:]}) {v['synk_us']:.0f} us" for k, v in ov.items()
+              if k.startswith("two_hosts_")]
+    fig.suptitle("per-call time, tiny function: " + ", ".join(parts), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

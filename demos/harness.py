@@ -263,8 +263,21 @@ def _proc_stat():
     return sum(v) - v[3] - v[4], sum(v)
 
 
+_LAUNCHERS = ("mpiexec", "mpiexec.hydra", "mpirun", "hydra_pmi_proxy", "orted", "prterun", "prted")
+
+
+def _job_root(procs, me):
+    """This process, or under an MPI launcher on this machine the launcher: its tree holds
+    every process of the job here (with simulated hosts, the other hosts' ranks too)."""
+    root, pid = me, procs.get(me, (0, 0, ""))[0]
+    while pid in procs and procs[pid][2] in _LAUNCHERS:
+        root, pid = pid, procs[pid][0]
+    return root
+
+
 def _own_ticks():
-    """CPU ticks of this process and all its descendants (the ranks)."""
+    """CPU ticks of this process and all its descendants (the ranks), or of the whole MPI
+    job when an MPI launcher started it."""
     me, procs = os.getpid(), {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -274,13 +287,13 @@ def _own_ticks():
                 s = f.read()
             rest = s[s.rindex(")") + 2:].split()
             # after the name: state ppid ... utime(11) stime(12) cutime(13) cstime(14)
-            procs[int(name)] = (int(rest[1]), sum(int(t) for t in rest[11:15]))
+            procs[int(name)] = (int(rest[1]), sum(int(t) for t in rest[11:15]), s[s.index("(") + 1:s.rindex(")")])
         except (OSError, ValueError, IndexError):
             continue                         # gone meanwhile
     kids = {}
-    for pid, (ppid, _) in procs.items():
+    for pid, (ppid, _, _) in procs.items():
         kids.setdefault(ppid, []).append(pid)
-    total, todo = 0, [me]
+    total, todo = 0, [_job_root(procs, me)]
     while todo:
         pid = todo.pop()
         if pid in procs:

@@ -7,6 +7,7 @@ host and the device.  ``placement`` tells the comm plane where arrays live.
 
 Implementations: ``CpuDevice`` (CPU cores; PyTensor's default backend, numba) and
 ``backends.jax_device.JaxDevice`` (PyTensor's JAX backend: one GPU per rank, or the CPU)."""
+import contextlib
 import os
 import shutil
 import subprocess
@@ -23,6 +24,30 @@ def usable_cores():
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - non-Linux
         return os.cpu_count() or 1
+
+
+def generated_src_dir():
+    """Where synkhronos has PyTensor keep the Python source of the graphs it compiles.
+
+    PyTensor writes that source to a file; with its ``generated_src_dir`` unset, to a new
+    temporary file per graph that it never removes (every worker, every run).  Synkhronos
+    uses a content-addressed directory in PyTensor's compiledir instead, which PyTensor
+    reuses across runs and prunes; a directory the user chose is kept."""
+    import pytensor
+    return pytensor.config.generated_src_dir or os.path.join(pytensor.config.compiledir, "generated_src")
+
+
+@contextlib.contextmanager
+def compiling():
+    """Compile in here (master side): the user's PyTensor settings are back afterwards."""
+    import pytensor
+    cfg = pytensor.config
+    saved = cfg.generated_src_dir
+    cfg.generated_src_dir = generated_src_dir()
+    try:
+        yield
+    finally:
+        cfg.generated_src_dir = saved
 
 
 class Device:
@@ -62,7 +87,8 @@ class Device:
         """A PyTensor function for this device that trusts its inputs (they are checked by
         synkhronos in the master)."""
         import pytensor
-        fn = pytensor.function(inputs, outputs, givens=givens, **kwargs)
+        with compiling():
+            fn = pytensor.function(inputs, outputs, givens=givens, **kwargs)
         fn.trust_input = True
         return fn
 

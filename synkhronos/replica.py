@@ -134,8 +134,10 @@ def _no_input_plan(n):
 def follow_up(ctx, steps):
     """What a call chains in the same command on every rank, after the function's share:
     ``("all_reduce", var index, op)`` of a variable's new value (its pending update), then
-    ``("run", function id)`` of a function without inputs.  A training step is then one
-    round trip: gradient, all-reduce, update rule.  The all-reduce's vote makes the step
+    ``("run", function id)`` of a function without inputs, and ``("ext", name, *args)``:
+    the function an extension registered as command ``name`` (``commands.handler``),
+    called with ``(ctx, *args)``.  A training step is then one round trip: gradient,
+    all-reduce, update rule.  The all-reduce's vote makes the step
     all-or-nothing up to there; updates stay pending until the master commits."""
     for step in steps:
         if step[0] == "all_reduce":
@@ -150,5 +152,8 @@ def follow_up(ctx, steps):
             ctx.hold(ctx.seq, {var: res})
         elif step[0] == "run":
             ctx.replicas[step[1]].run(ctx, [], [], _no_input_plan(ctx.n))
+        elif step[0] == "ext":              # an extension's step: ("ext", command name, *args)
+            from .commands import handler
+            handler(step[1])(ctx, *step[2:])
         else:
             raise ValueError(f"unknown follow-up step {step!r}")

@@ -14,10 +14,10 @@ import traceback
 
 from . import session, signals
 from .backends import backend_named
-from .commands import HANDLERS, worker_command
+from .commands import handler, worker_command
 from .control import Waiter
 from .debug import fingerprint
-from .device import make_device
+from .device import generated_src_dir, make_device
 from .errors import Aborted, MasterDied
 from .launcher import master_watch
 from . import rank as rank_module
@@ -41,7 +41,8 @@ def serve(cfg):
         ctx = Rank(rank, cfg["n"], cfg["master_rank"], device, control, comm)
         rank_module.become(ctx)
         from . import function, rankops  # noqa: F401  (register their commands)
-        import pytensor  # noqa: F401  (import before the first command, not during it)
+        import pytensor  # (import before the first command, not during it)
+        pytensor.config.generated_src_dir = generated_src_dir()
         control.reply(0, ("ok", os.getpid()))
     except BaseException:
         control.reply(0, ("err", traceback.format_exc()))
@@ -63,7 +64,7 @@ def serve(cfg):
             ctx.forget(forget)
             if debug:
                 fp = fingerprint(seq, name, args, ctx.shareds)
-            reply = ("ok", HANDLERS[name](ctx, *args))
+            reply = ("ok", handler(name)(ctx, *args))
         except Aborted:
             reply = ("aborted", None)
         except MasterDied:

@@ -442,3 +442,35 @@ def test_leak_check_looks_only_at_its_own_run(tmp_path, assert_clean):
     finally:
         synk.close()
     assert_clean()
+
+
+_NO_FILES_SCRIPT = textwrap.dedent("""
+    import numpy as np, pytensor, pytensor.tensor as T, synkhronos as synk
+    from synkhronos.extensions import train, updates
+    synk.fork(2)
+    x = T.matrix("x"); y = T.vector("y")
+    w = pytensor.shared(np.zeros(3), name="w")
+    f = synk.function([x], ((x * 2).sum(), "sum"))
+    step = train.make_train_function(((x.dot(w) - y) ** 2).mean(), [w], [x, y], updates.sgd,
+                                     learning_rate=0.1)
+    synk.distribute()
+    X = np.arange(12.0).reshape(4, 3)
+    assert f(X) == 2 * X.sum()
+    step(X, np.ones(4))
+    synk.close()
+    print("done")
+""")
+
+
+def test_a_session_leaves_no_file(tmp_path):
+    """PyTensor writes the source of every graph it compiles to a file, by default a new
+    temporary file that is never removed: the master's compiles and every worker's would
+    pile up in the temporary directory run after run.  A session leaves nothing there."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTENSOR_FLAGS"}
+    env["TMPDIR"] = str(tmp)
+    run = subprocess.run([sys.executable, "-c", _NO_FILES_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=300, cwd=str(tmp_path))
+    assert run.returncode == 0 and "done" in run.stdout, run.stdout + run.stderr
+    assert sorted(os.listdir(tmp)) == []

@@ -578,7 +578,9 @@ class JaxDevice(Device):
                              f"functions compile with mode='JAX', got mode={mode!r}")
         _ensure()
         from .jax_ops import declared
-        fn = pytensor.function(inputs, declared(outputs), givens=givens, mode=mode, **kwargs)
+        from ..device import compiling
+        with compiling():
+            fn = pytensor.function(inputs, declared(outputs), givens=givens, mode=mode, **kwargs)
         return self.adopt(fn)
 
     def adopt(self, fn):

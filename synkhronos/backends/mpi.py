@@ -53,6 +53,9 @@ from ..launcher import Launcher, RankGone, SubprocessLauncher
 
 # message tags, master <-> host agents
 CMD, REPLY, ARRIVE_T, GO, VOTE_T, DECIDE, ABORT, LOST, DATA, START, READY, END, EXIT, BYE = range(101, 115)
+# messages from other hosts wake no sleeper: an MPI process polls every POLL seconds while a
+# command may be going on, every POLL_IDLE once nothing happened for IDLE_AFTER seconds
+POLL, POLL_IDLE, IDLE_AFTER = 0.0002, 0.005, 1.0
 _LOCAL_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
 _world = None
 
@@ -489,6 +492,10 @@ def run_request(w, req, buffers):
     def arr(name, dtype, count):
         seg = buffers.get(name)
         if seg is None:
+            # host buffers are named PREFIX_h{kind}{key}x{n}: a new n replaced the old buffer
+            stem = name[:name.rindex("x")]
+            for old in [b for b in buffers if b[:b.rindex("x")] == stem]:
+                del buffers[old]                 # unmap it: its memory goes back
             seg = buffers[name] = shm.Segment(name)
         return seg.array(np.dtype(dtype), (count,))
     if kind == "allreduce":
@@ -533,7 +540,7 @@ class HierComm(Comm):
         self.step_seq = -1
         self.made = 0
         self.hbufs = {}       # (key, kind) -> Segment this rank owns (the first rank of the host)
-        self.attached = {}    # name -> Segment
+        self.attached = {}    # (key, kind) -> (name, Segment): the current host buffer only
         self.mpi_buffers = {}
 
     def accepts(self, verb, dtype, op=None, placement="host"):
@@ -595,10 +602,10 @@ class HierComm(Comm):
                     f"{self.prefix}_h{kind}{key}x{self.made}", int(nbytes * 1.25), create=True)
             name = seg.name
         name = self._host(name)
-        seg = self.attached.get(name)
-        if seg is None:
-            seg = self.attached[name] = self.hbufs[(key, kind)] if self.pos == 0 else shm.Segment(name)
-        return seg.array(dtype, (count,)), name
+        cur = self.attached.get((key, kind))
+        if cur is None or cur[0] != name:       # (a replaced buffer is unmapped here)
+            cur = self.attached[(key, kind)] = (name, self.hbufs[(key, kind)] if self.pos == 0 else shm.Segment(name))
+        return cur[1].array(dtype, (count,)), name
 
     def _commit(self, write=None):
         if not self.ctl.vote(True, on_commit=write):
@@ -653,9 +660,14 @@ class HierComm(Comm):
             self.ctl.host_barrier()
             self._mpi(("allreduce", hname, acc.str, flat.size, "sum" if op == "avg" else op))
             if out is not None:
-                tmp = np.array(hbuf, copy=True)
-                red.finish(op, tmp, self.n, flat.dtype)
-                np.copyto(out.reshape(-1), tmp, casting="unsafe")
+                dst = out.reshape(-1)   # (the host buffer is every rank's input: read only)
+                if op != "avg":
+                    np.copyto(dst, hbuf, casting="unsafe")
+                elif flat.dtype.kind in "fc":   # red.finish's scaling, straight into the result
+                    np.multiply(hbuf, hbuf.dtype.type(1.0 / self.n), out=dst, casting="unsafe")
+                else:
+                    np.copyto(dst, red.finish(op, np.array(hbuf, copy=True), self.n, flat.dtype),
+                              casting="unsafe")
                 if in_place:
                     self.slots.lend(key)
         self.ctl.host_barrier()          # nobody reads the host buffers or slots any more
@@ -811,7 +823,7 @@ class _Mpi:
         host_ranks = {m: range(firsts[m], firsts[m] + sizes[m]) for m in range(w.size)}
         k0 = sizes[0]
         prefix = shm.new_prefix()
-        session.waiter.TICK = 0.001          # messages from other hosts do not wake a sleeper
+        session.waiter.TICK = POLL          # messages from other hosts do not wake a sleeper
         ctl0 = ShmControl(prefix, k0 + 1, 0, 0, session.waiter, create=True, members=range(k0), lead=k0)
         hub = Hub(w, _HostView(ctl0), agents)
         session.waiter.service = hub.service
@@ -986,17 +998,22 @@ class _Agent:
     def run(self):
         try:
             self.start()
-            idle = 0
+            quiet_since = None
             while True:
                 busy = self.step()
                 if busy is None:
                     return self.ended
                 if busy:
-                    idle = 0
-                else:
-                    idle += 1
-                    if idle > 200:               # then sleep until a rank of this host posts
-                        self.ctl._sleep(0.001)
+                    quiet_since = None
+                    continue
+                now = time.perf_counter()
+                if quiet_since is None:
+                    quiet_since = now
+                quiet = now - quiet_since
+                if quiet > self.waiter.spin:     # sleep until a rank of this host posts, or a
+                    # tick passes (MPI messages wake nobody): short while a command may be
+                    # going on, longer once the session has been idle for a while
+                    self.ctl._sleep(POLL if quiet < IDLE_AFTER else POLL_IDLE)
         finally:
             self.stop()
 

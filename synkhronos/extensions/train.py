@@ -20,6 +20,7 @@ import numpy as np
 from pytensor.graph.basic import Variable
 
 import synkhronos as synk
+from synkhronos.device import compiling
 
 __all__ = ["make_train_function", "make_train_function_theano", "TrainFunction",
            "SerialTrainFunction"]
@@ -230,7 +231,8 @@ def make_train_function_theano(loss, params, inputs=None, *args, update_rule=Non
                                             update_rule, x, y)
     inputs = inputs + _as_var_list(bcast_inputs or [])
     grad_updates, param_updates, grad_shared = update_rule(loss, params, *args, **kwargs)
-    f_grad = pytensor.function(inputs, loss, updates=grad_updates, givens=givens, name=f"{name}_grad")
-    f_update = pytensor.function([], [], updates=param_updates, name=f"{name}_update")
+    with compiling():
+        f_grad = pytensor.function(inputs, loss, updates=grad_updates, givens=givens, name=f"{name}_grad")
+        f_update = pytensor.function([], [], updates=param_updates, name=f"{name}_update")
     return SerialTrainFunction(f_grad, f_update, grad_shared, params, grad_updates, param_updates,
                                inputs)
