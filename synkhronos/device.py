@@ -50,6 +50,16 @@ def compiling():
         cfg.generated_src_dir = saved
 
 
+def restore_env(saved):
+    """Put back environment variables saved as ``{name: value or None (unset)}``; -> None."""
+    for k, v in (saved or {}).items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    return None
+
+
 class Device:
     """Interface of a device backend, bound to one rank's process."""
 
@@ -167,13 +177,7 @@ class CpuDevice(Device):
         if self._limits is not None:
             self._limits.restore_original_limits()
             self._limits = None
-        if self._saved_env is not None:
-            for k, v in self._saved_env.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-            self._saved_env = None
+        self._saved_env = restore_env(self._saved_env)
         if self._numba_threads is not None:
             try:
                 import numba

@@ -36,7 +36,7 @@ import threading
 
 import numpy as np
 
-from ..device import _THREAD_VARS, CpuDevice, Device, usable_cores
+from ..device import _THREAD_VARS, CpuDevice, Device, compiling, restore_env, usable_cores
 from ..errors import MasterDied
 
 _MEM_VARS = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION",
@@ -539,13 +539,7 @@ class JaxDevice(Device):
         _local.alive = None
         if self._cpu is not None:
             self._cpu.release_master()
-        if self._saved_env is not None:
-            for k, v in self._saved_env.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-            self._saved_env = None
+        self._saved_env = restore_env(self._saved_env)
 
     def init_worker(self, rank):
         if self.floatX:
@@ -578,7 +572,7 @@ class JaxDevice(Device):
                              f"functions compile with mode='JAX', got mode={mode!r}")
         _ensure()
         from .jax_ops import declared
-        from ..device import compiling
+
         with compiling():
             fn = pytensor.function(inputs, declared(outputs), givens=givens, mode=mode, **kwargs)
         return self.adopt(fn)

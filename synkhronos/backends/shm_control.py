@@ -260,42 +260,38 @@ class ShmControl(Control):
         self.step += 1
         return self.seq * _STEP + self.step
 
-    def barrier(self, check_after=True):
+    def _meet(self, field, slots):
+        """Arrive (this rank's ``field`` := the next step's token) and wait until every
+        slot of ``slots`` has arrived too; Aborted if the command is aborted meanwhile."""
         token = self._token()        # every rank counts every step, whether it waits or not
-        if len(self.sync_slots) == 1:
+        if len(slots) == 1:
             return
-        self._set(self.rank, ARRIVE, token)
-        self._post(self._sync_others())
-        late = lambda: [r for r in self.sync_slots if self._get(r, ARRIVE) < token]  # noqa: E731
+        self._set(self.rank, field, token)
+        self._post([r for r in slots if r != self.rank])
+        ctrl = self.ctrl
+        where = [(r, _BASE + _STRIDE * r + field) for r in slots]
+
+        def late():
+            return [r for r, i in where if ctrl[i] < token]
 
         def ready():
-            if not late():
-                return True
-            if self.aborted():
-                raise Aborted("another rank failed during this command")
-            return False
+            for _, i in where:
+                if ctrl[i] < token:
+                    if self.aborted():
+                        raise Aborted("another rank failed during this command")
+                    return False
+            return True
 
         self.waiter.wait(ready, self._sleep, owed=late, what="a barrier")
-        if check_after and self.aborted():
+
+    def barrier(self, check_after=True):
+        self._meet(ARRIVE, self.sync_slots)
+        if check_after and len(self.sync_slots) > 1 and self.aborted():
             raise Aborted("another rank failed during this command")
 
     def host_barrier(self):
         """The ranks of this host meet (not the rest of a multi-host session)."""
-        token = self._token()
-        if len(self.members) == 1:
-            return
-        self._set(self.rank, HOST_ARRIVE, token)
-        self._post([r for r in self.members if r != self.rank])
-        late = lambda: [r for r in self.members if self._get(r, HOST_ARRIVE) < token]  # noqa: E731
-
-        def ready():
-            if not late():
-                return True
-            if self.aborted():
-                raise Aborted("another rank failed during this command")
-            return False
-
-        self.waiter.wait(ready, self._sleep, owed=late, what="a barrier")
+        self._meet(HOST_ARRIVE, self.members)
 
     def vote(self, ok, on_commit=None):
         """Every rank arrives with its vote; once all have arrived, each decides alike:
