@@ -172,9 +172,10 @@ def decompress(src, dst):
     return dst
 
 
-def reduce_chunk(op, srcs, dsts, a, b):
+def reduce_chunk(op, srcs, dsts, a, b, scale=None):
     """Elements ``[a, b)`` of flat float16 ``srcs`` (rank order) reduced (``sum``/``avg``,
-    in float32) into every flat float16 ``dst``.  Returns False (nothing done) where the
+    in float32) into every flat float16 ``dst``; ``avg`` multiplies the sum by
+    ``float32(scale)`` (default ``1 / len(srcs)``).  Returns False (nothing done) where the
     arrays do not suit the kernel (not contiguous, read-only), for the caller's own path."""
     if njit is None or op not in ("sum", "avg"):
         return False
@@ -184,6 +185,19 @@ def reduce_chunk(op, srcs, dsts, a, b):
         return False
     s = tuple(x.view(np.uint16) for x in srcs)
     d = tuple(x.view(np.uint16) for x in dsts)
-    n = len(s)
-    _reduce(s, d, a, b, np.float32(1.0 / n), op == "avg")
+    scale = 1.0 / len(s) if scale is None else scale
+    _reduce(s, d, a, b, np.float32(scale), op == "avg")
     return True
+
+
+def reduce_into(op, srcs, dsts, a, b, scale=None):
+    """``reduce_chunk``, with numpy doing the same (slowly) where the kernel cannot."""
+    if reduce_chunk(op, srcs, dsts, a, b, scale):
+        return
+    acc = np.array(srcs[0][a:b], np.float32)
+    for x in srcs[1:]:
+        acc += x[a:b]
+    if op == "avg":
+        acc *= np.float32(1.0 / len(srcs) if scale is None else scale)
+    for d in dsts:
+        np.copyto(d[a:b], acc, casting="unsafe")

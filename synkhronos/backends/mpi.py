@@ -640,7 +640,13 @@ class HierComm(Comm):
         plans = []
         for key, flat, shape in staged:
             acc = red.accumulator(op, flat.dtype)
-            hbuf, hname = self._host_buffer(key, "r", acc, flat.size)
+            if flat.dtype == np.float16 and op in ("sum", "avg") and len(self.host_sizes) > 1:
+                acc = None                # float16 between hosts: see _half_between_hosts
+                (h, hn), (q, qn) = (self._host_buffer(key, "r", np.float16, flat.size),
+                                    self._host_buffer(key, "q", np.float16, len(self.host_sizes) * flat.size))
+                hbuf, hname = (h, q), (hn, qn)
+            else:
+                hbuf, hname = self._host_buffer(key, "r", acc, flat.size)
             srcs = [self.slots.view(key, r, flat.dtype).reshape(-1) for r in self.members]
             out = None            # in place: the source itself (read before the MPI step, written after)
             if root is None or self.grank == root:
@@ -650,6 +656,11 @@ class HierComm(Comm):
         self._commit()                  # every rank of every host is ready: now compute
         fn = red.UFUNC[op]
         for key, flat, shape, acc, hbuf, hname, srcs, out in plans:
+            if acc is None:
+                self._half_between_hosts(op, flat, hbuf, hname, srcs, out)
+                if out is not None and in_place:
+                    self.slots.lend(key)
+                continue
             b = _chunks(flat.size, self.k, flat.dtype.itemsize)
             a0, b0 = b[self.pos], b[self.pos + 1]
             if b0 > a0:                  # this host's sum (max, …) of my chunk
@@ -672,6 +683,24 @@ class HierComm(Comm):
                     self.slots.lend(key)
         self.ctl.host_barrier()          # nobody reads the host buffers or slots any more
         return [None if p[7] is None else p[7].reshape(p[2]) for p in plans]
+
+    def _half_between_hosts(self, op, flat, bufs, names, srcs, out):
+        """float16 ``sum``/``avg`` across hosts, as float16 on the wire (half the bytes of the
+        float32 all-reduce the other dtypes use): each host's partial sum of a chunk (float32,
+        rounded once to float16), an MPI all-gather of the hosts' partials, then every rank
+        sums them in float32 in host order (``backends.half``).  With one rank per host the
+        result is the float32 path's; with several, each host's partial is rounded once more."""
+        from . import half
+        hbuf, obuf = bufs
+        count, hosts = flat.size, len(self.host_sizes)
+        b = _chunks(count, self.k, flat.dtype.itemsize)
+        if b[self.pos + 1] > b[self.pos]:
+            half.reduce_into("sum", srcs, [hbuf], b[self.pos], b[self.pos + 1])
+        self.ctl.host_barrier()
+        self._mpi(("allgatherv", names[0], "<u2", [count] * hosts, names[1]))   # (MPI has no float16)
+        if out is not None:
+            parts = [obuf[h * count:(h + 1) * count] for h in range(hosts)]
+            half.reduce_into(op, parts, [out.reshape(-1)], 0, count, scale=1.0 / self.n)
 
     def broadcast(self, items, root, fence=True):
         if root != 0:

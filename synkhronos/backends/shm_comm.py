@@ -23,7 +23,7 @@ import numpy as np
 from .. import reductions as red
 from ..comm import Comm
 from ..errors import Aborted
-from . import half, shm
+from . import shm
 
 MAXD = 16
 SLOT, RESULT, SHAPE = 0, 1, 2       # table planes: values, results, shape exchange
@@ -186,8 +186,10 @@ def _reduce_chunk(op, srcs, dsts, a, b, dtype):
             if _addr(d) != _addr(srcs[0]):
                 np.copyto(d[a:b], srcs[0][a:b])
         return
-    if dtype == np.float16 and half.reduce_chunk(op, srcs, dsts, a, b):
-        return                               # numpy's float16 casts are ~100x slower
+    if dtype == np.float16:                  # numpy's float16 casts are ~100x slower: numba
+        from . import half
+        if half.reduce_chunk(op, srcs, dsts, a, b):
+            return
     fn = red.UFUNC[op]
     wide = red.accumulator(op, dtype)
     d0 = None

@@ -177,7 +177,7 @@ class TrainFunction:
 
 def make_train_function(loss, params, inputs=None, *args, update_rule=None, x=None, y=None,
                         bcast_inputs=None, givens=None, sliceable_shareds=None, name="train",
-                        **kwargs):
+                        compress=None, error_feedback=True, exchange=None, **kwargs):
     """Build the two synkhronos functions of a data-parallel training step.
 
     ``make_train_function(loss, params, inputs, update_rule, *args, **kwargs)``:
@@ -188,7 +188,17 @@ def make_train_function(loss, params, inputs=None, *args, update_rule=None, x=No
     ``make_train_function(loss, params, x, y, update_rule, *args, **kwargs)`` (also with
     ``x=``, ``y=``, ``update_rule=`` keywords) means ``inputs=[x, y]``.  Call after
     ``synk.fork()`` and before ``synk.distribute()``.  Returns a ``TrainFunction``:
-    ``step(*data, batch=None, num_slices=1, **call_kwargs) -> loss``."""
+    ``step(*data, batch=None, num_slices=1, **call_kwargs) -> loss``.
+
+    ``compress="fp16"`` (with ``error_feedback``) all-reduces the gradient in float16, and
+    ``exchange`` picks another strategy (``"fp16"``, ``"easgd"``, ``"local"`` or an object
+    of ``synkhronos.extensions.exchange``): both are ``exchange.make_train_function``."""
+    if compress is not None or exchange not in (None, "bsp"):
+        from . import exchange as _exchange
+        return _exchange.make_train_function(
+            loss, params, inputs, *args, update_rule=update_rule, x=x, y=y, bcast_inputs=bcast_inputs,
+            givens=givens, sliceable_shareds=sliceable_shareds, name=name, compress=compress,
+            error_feedback=error_feedback, exchange=exchange, **kwargs)
     inputs, update_rule, args = _parse_form("make_train_function", inputs, args, update_rule, x, y)
     grad_updates, param_updates, grad_shared = update_rule(loss, params, *args, **kwargs)
     f_grad = synk.function(inputs, outputs=loss, bcast_inputs=bcast_inputs, updates=grad_updates,

@@ -1,0 +1,81 @@
+"""Run under ``mpiexec -n HOSTS``: the exchange strategies across hosts (tests/test_exchange.py).
+
+Prints ``SYNK-RESULT {json}`` in the master: the float16 all-reduce (float16 on the wire
+between hosts) against numpy, the fp16 exchange against float32, EASGD's center equal on
+every rank, and the parameter server refused (it needs one host)."""
+import json
+import sys
+
+import numpy as np
+
+
+def main(n):
+    import pytensor
+    import pytensor.tensor as T
+    import synkhronos as synk
+    from synkhronos.extensions import exchange, updates
+    synk.fork(n)
+    out = {"n": n, "failed": [], "checks": 0}
+
+    def check(ok, what):
+        out["checks"] += 1
+        if not ok:
+            out["failed"].append(what)
+    try:
+        size = 10_001
+        h = pytensor.shared(np.zeros(size, np.float16), name="h")
+        a = pytensor.shared(np.zeros(size, np.float32), name="a")
+        a32 = pytensor.shared(np.zeros(size, np.float32), name="a32")
+        ar = exchange.prepare([a], error_feedback=True)
+        synk.function([], outputs=[T.sum(h), T.sum(a32)])
+        W = pytensor.shared(np.ones((3, 2), np.float32), name="W")
+        x = T.matrix("x", dtype="float32")
+        loss = T.mean((x @ W) ** 2)
+        easgd = exchange.make_train_function(loss, [W], [x], updates.sgd, learning_rate=0.01,
+                                             exchange=exchange.EASGD(tau=1, alpha=0.1))
+        ps = exchange.ParameterServer(loss, [W], [x], updates.sgd, learning_rate=0.01)
+        synk.distribute()
+        sizes = synk.session_info().resources.get("hosts")
+        out["hosts"] = sizes
+        rng = np.random.default_rng(0)
+        vals = [(rng.standard_normal(size) * 30).astype(np.float16) for _ in range(n)]
+        for op in ("sum", "avg"):
+            for r in range(n):
+                synk.set_value(r, h, vals[r])
+            synk.all_reduce(h, op=op)
+            exact = np.sum(np.float64(vals), axis=0) / (n if op == "avg" else 1)
+            got = [synk.get_value(r, h).astype(np.float64) for r in range(n)]
+            check(all(np.array_equal(g, got[0]) for g in got), f"float16 {op}: ranks differ")
+            mag = np.sum(np.abs(np.float64(vals)), axis=0) / (n if op == "avg" else 1)
+            # each host's partial rounded once more (several ranks on a host): 2 roundings
+            bound = 2 ** -11 * (mag + np.abs(exact)) * 1.01 + 2 ** -23
+            check(bool((np.abs(got[0] - exact) <= bound).all()), f"float16 {op}: beyond the bound")
+        v32 = [(rng.standard_normal(size)).astype(np.float32) for _ in range(n)]
+        for r in range(n):
+            synk.set_value(r, [a, a32], [v32[r], v32[r]])
+        exchange.all_reduce(a, op="avg", compress="fp16")
+        synk.all_reduce(a32, op="avg")
+        ref = synk.get_value(0, a32)
+        got = [synk.get_value(r, a) for r in range(n)]
+        check(all(np.array_equal(g, got[0]) for g in got), "fp16 exchange: ranks differ")
+        mag = np.mean(np.abs(np.float64(v32)), axis=0)
+        check(bool((np.abs(got[0] - ref) <= 2 ** -11 * (2 * mag + np.abs(ref)) * 1.01 + 2 ** -22).all()),
+              "fp16 exchange: beyond the bound")
+        X = synk.data(rng.standard_normal((4 * n, 3)).astype(np.float32))
+        for _ in range(3):
+            easgd(X)
+        centers = [synk.get_value(r, easgd.center) for r in range(n)]
+        check(all(np.array_equal(c, centers[0]) for c in centers), "EASGD: centers differ")
+        check(easgd.exchanges == 3, "EASGD: exchanges")
+        try:
+            ps.run(X, steps=2, batch_size=1)
+            check(False, "ParameterServer.run across hosts was not refused")
+        except NotImplementedError as e:
+            check("one host" in str(e), f"ParameterServer: unexpected message {e}")
+    finally:
+        synk.close()
+    print("SYNK-RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
