@@ -402,6 +402,33 @@ def test_ps_killed_worker(assert_clean):
     assert_clean()
 
 
+def test_ps_stopped_worker(assert_clean):
+    """A worker frozen (SIGSTOP) during a run: the others go on, the run ends at its time,
+    and then the frozen rank is named (WorkerStopped) and the session closes: no hang."""
+    pid = None
+    try:
+        ps, Xd, Yd = _ps_session(slow_rank=None)
+        ps.run(Xd, Yd, steps=5, batch_size=8, verbose=False)
+        pid = tu.pid_of(2)
+        timer = threading.Timer(0.3, lambda: os.kill(pid, signal.SIGSTOP))
+        timer.start()
+        t0 = time.monotonic()
+        with pytest.raises(synk.WorkerStopped) as err:
+            ps.run(Xd, Yd, max_seconds=1.2, batch_size=8, slow_after=0.3, verbose=False)
+        timer.join()
+        assert err.value.rank == 2
+        assert time.monotonic() - t0 < 8
+        assert not tu.is_open()
+    finally:
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except OSError:
+                pass
+        synk.close()
+    assert_clean()
+
+
 # ---- the demo --------------------------------------------------------------------------------
 
 def test_demo_runs(tmp_path, assert_clean):
