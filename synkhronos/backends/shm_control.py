@@ -311,15 +311,21 @@ class ShmControl(Control):
             return False
         # a rank already past this vote (a later token) voted yes here and saw every yes:
         # votes only grow, so a rank that moved on cannot hide its vote from a slower one
-        late = lambda: [r for r in self.sync_slots if abs(self._get(r, VOTE)) < token]  # noqa: E731
+        ctrl = self.ctrl
+        where = [(r, _BASE + _STRIDE * r + VOTE) for r in self.sync_slots]
+
+        def late():
+            return [r for r, i in where if abs(ctrl[i]) < token]
 
         def ready():
-            if not late():
-                return True             # arrivals first: a later abort cannot undo them
-            return self.aborted()
+            for _, i in where:
+                if abs(ctrl[i]) < token:
+                    return self.aborted()
+            return True                 # arrivals first: a later abort cannot undo them
 
         self.waiter.wait(ready, self._sleep, owed=late, what="a vote")
-        if late() or any(self._get(r, VOTE) == -token for r in self.sync_slots):
+        votes = [int(ctrl[i]) for _, i in where]
+        if any(abs(v) < token or v == -token for v in votes):
             return False
         if on_commit is not None:
             on_commit()
