@@ -5,6 +5,8 @@ update values (updates are applied by synkhronos, so that sliced calls can accum
 and a failed call applies none), plus, with ``sliceable_shareds``, a variant that reads
 those shared variables through an index vector.  A rank computes on its rows, keeps its
 new update values pending (``Rank.hold``) and returns its outputs with its row count."""
+import functools
+
 import numpy as np
 
 from . import shards
@@ -126,6 +128,7 @@ def _on(device, arrays):
     return [device.to_device(a) for a in arrays]
 
 
+@functools.lru_cache(maxsize=None)
 def _no_input_plan(n):
     from .plans import CallPlan, Rows
     return CallPlan(-1, (), Rows("range", (0,) * (n + 1)), None, 1, None)

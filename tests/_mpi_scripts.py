@@ -58,12 +58,6 @@ class Checks:
             self.failed.append(f"{name}: got {got!r} want {want!r}"[:400])
 
 
-def _deleted_synk_mappings():
-    """How many removed synkhronos segments this process still maps."""
-    with open(f"/proc/{os.getpid()}/maps") as fh:
-        return len({ln.split()[-2] for ln in fh if "/dev/shm/synk_" in ln and ln.rstrip().endswith("(deleted)")})
-
-
 def scenario_features(n):
     """Every function feature and collective, checked against numpy on the same data."""
     import pytensor
@@ -162,12 +156,13 @@ def scenario_features(n):
     ck.close("set_value index batch, Data", synk.get_value(n - 1, v), np.array([8.0, 0.0, 4.0]))
     # a variable that keeps growing: the host buffers between hosts are replaced, and the
     # replaced ones must be unmapped (a deleted segment still mapped keeps its memory)
-    mapped = _deleted_synk_mappings()
+    from synk_testutil import deleted_mappings
+    mapped = deleted_mappings()
     for size in (1 << 14, 1 << 16, 1 << 18, 1 << 19):
         synk.broadcast(v, np.ones(size))
         synk.all_reduce(v, op="sum")
     ck.close("all_reduce of a grown variable", synk.get_value(n - 1, v), np.full(1 << 19, float(n)))
-    ck.equal("replaced host buffers unmapped", max(0, _deleted_synk_mappings() - mapped), 0)
+    ck.equal("replaced host buffers unmapped", max(0, deleted_mappings() - mapped), 0)
     synk.close()
     _result(checks=ck.n, failed=ck.failed, n=n, hosts=sorted({r.host for r in info.ranks}))
 

@@ -199,3 +199,9 @@ def backing_file(arr):
             if lo <= addr < hi and len(parts) == 6 and parts[5].startswith("/dev/shm/"):
                 return parts[5].strip().replace(" (deleted)", "")
     return None
+
+
+def deleted_mappings():
+    """How many removed synkhronos segments this process still maps (memory not given back)."""
+    with open(f"/proc/{os.getpid()}/maps") as fh:
+        return len({ln.split()[-2] for ln in fh if "/dev/shm/synk_" in ln and ln.rstrip().endswith("(deleted)")})

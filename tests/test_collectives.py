@@ -385,6 +385,21 @@ class TestCollectives:
         for r in range(n):
             check(synk.get_value(r, w), model[r], "float64", f"rank {r} after second call")
 
+    def test_growing_values_free_replaced_buffers(self, S):
+        """A variable that grows and alternates with fresh values (a gradient replaced by
+        every call): its replaced buffers are unmapped, in the master too (a removed
+        segment that stays mapped keeps its memory)."""
+        v = S.vs[("float64", 1)]
+        before = tu.deleted_mappings()
+        for size in (1000, 30000, 300000, 700000):
+            for k in range(3):
+                set_all(S, v, [np.full(size, float(r + k)) for r in range(S.n)])
+                synk.all_reduce(v, "sum")
+                assert np.array_equal(synk.get_value(S.n - 1, v), np.full(size, float(sum(range(S.n)) + S.n * k)))
+        set_all(S, v, [np.zeros(SHAPES[1])] * S.n)
+        synk.all_reduce(v, "sum")
+        assert tu.deleted_mappings() <= before
+
     def test_random_interleavings(self, S):
         """A seeded random program of function calls and collectives, mirrored in numpy."""
         n, w, u, f = S.n, S.w, S.u, S.f

@@ -18,6 +18,8 @@ collective finds the value already in place; otherwise the value is first copied
 Every verb has a fallible phase (allocating, attaching, checking shapes) that ends in a
 vote; nothing is written before every rank voted yes, so a failure on one rank leaves
 every rank's values as they were."""
+import math
+
 import numpy as np
 
 from .. import reductions as red
@@ -49,7 +51,7 @@ class _Slots:
         self.cur = {}     # (plane, key) -> index of the buffer published now
         self.lent = {}    # key -> index of the value buffer last returned
         self.gen = {}     # (plane, key) -> last generation number used in a name
-        self.peers = {}   # (plane, key, rank) -> (gen, Segment)
+        self.peers = {}   # (plane, key, rank) -> {gen % 2: (gen, Segment)}
         self.views = {}   # (plane, key, rank, gen) -> (shape, dtype, array): the last view made
 
     def _buffer(self, plane, key, i, nbytes):
@@ -58,6 +60,7 @@ class _Slots:
         if cur is not None and cur[1].size >= nbytes:
             return cur
         gen = self.gen.get((plane, key), 0) + 1
+        gen += (gen - i) % 2             # buffer i has generations of parity i (see ``view``)
         self.gen[(plane, key)] = gen
         size = max(64, int(nbytes * (1.25 if cur else 1.0)))
         shm.check_space(size)
@@ -98,7 +101,7 @@ class _Slots:
             raise ValueError(f"collectives support up to {MAXD} dimensions, got {len(shape)}")
         lent = self.lent.get(key)
         i = 0 if lent is None else (lent if reuse_lent else 1 - lent)
-        gen, seg, _ = self._buffer(SLOT, key, i, int(np.prod(shape)) * dtype.itemsize)
+        gen, seg, _ = self._buffer(SLOT, key, i, math.prod(shape) * dtype.itemsize)
         self.cur[(SLOT, key)] = i
         self.announce(SLOT, key, gen, shape)
         return seg.array(dtype, shape)
@@ -110,7 +113,7 @@ class _Slots:
     def ensure(self, key, dtype, shape, plane):
         """This rank's buffer of ``key`` on a result or shape plane, published."""
         shape = tuple(int(s) for s in shape)
-        gen, seg, _ = self._buffer(plane, key, 0, int(np.prod(shape)) * dtype.itemsize)
+        gen, seg, _ = self._buffer(plane, key, 0, math.prod(shape) * dtype.itemsize)
         self.cur[(plane, key)] = 0
         self.announce(plane, key, gen, shape)
         return seg.array(dtype, shape)
@@ -141,12 +144,14 @@ class _Slots:
             gen, seg, _ = self.bufs[(plane, key)][self.cur[(plane, key)]]
         else:
             gen = row[0]
-            cur = self.peers.get((plane, key, rank))
+            # a rank keeps two value buffers and alternates between them: both stay mapped
+            # here; a new generation of one (parity = which) means its owner replaced it
+            mine = self.peers.setdefault((plane, key, rank), {})
+            cur = mine.get(gen % 2)
             if cur is None or cur[0] != gen:
                 if cur is not None:
                     self.views.pop((plane, key, rank, cur[0]), None)
-                cur = (gen, shm.Segment(f"{self.prefix}_v{plane}k{key}r{rank}g{gen}"))
-                self.peers[(plane, key, rank)] = cur
+                cur = mine[gen % 2] = (gen, shm.Segment(f"{self.prefix}_v{plane}k{key}r{rank}g{gen}"))
             seg = cur[1]
         made = self.views.get((plane, key, rank, gen))
         if made is not None and made[0] == shape and made[1] is dtype:
