@@ -72,7 +72,10 @@ def assert_clean():
 # hold there are skipped under JAX, each with its reason.
 
 FUNCTIONAL_MODULES = ("test_function_outputs", "test_collectives", "test_batching", "test_intro_example",
-                      "test_shared_example", "test_updates", "test_data")
+                      "test_shared_example", "test_updates", "test_data", "test_exchange")
+# tests of those modules that start their own mpiexec job (its sessions run CPU ranks):
+# not run again
+NOT_FUNCTIONAL = ("across_hosts",)
 
 JAX_SKIPS = {
     "test_batching.py::test_batch_s_selecting_nothing":
@@ -94,7 +97,7 @@ def pytest_collection_modifyitems(config, items):
     jax = _jax_mode()
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1] if getattr(item, "module", None) else ""
-        if module in FUNCTIONAL_MODULES:
+        if module in FUNCTIONAL_MODULES and not any(w in item.name for w in NOT_FUNCTIONAL):
             item.add_marker(pytest.mark.functional)
         if jax:
             key = item.nodeid.split("/")[-1].split("[")[0]

@@ -256,10 +256,11 @@ def _rank_state(ctx):
 def _fp16_step(ctx, items, op):
     """Every rank: compress, all-reduce the float16 shadows (one comm call), decompress.
     Reads each variable's pending value (a follow-up reads what the call just computed);
-    the results become pending (and the variables' values, for the next follow-up)."""
+    the results become pending (and the variables' values, for the next follow-up).
+    A device rank (JAX) does the same on host copies of its values (the conversions are
+    the host's numba kernels) and puts the results back on its device."""
     dev = ctx.device
-    if dev.placement != "host":
-        raise NotImplementedError("fp16 all_reduce runs on host (CPU) ranks")
+    on_host = dev.placement == "host"
     st = _rank_state(ctx)
     work = []
     for vid, svid, rvid in items:
@@ -268,14 +269,15 @@ def _fp16_step(ctx, items, op):
         if value.dtype != np.float32:
             raise TypeError(f"fp16 all_reduce: {var} holds {value.dtype} values, expected float32")
         shape = value.shape
-        shadow = dev.get(svar)        # after the first exchange: the comm's slot (no copy-in)
+        # after the first exchange: the comm's slot (no copy-in)
+        shadow = dev.get(svar) if on_host else st.get(("s", svid))
         if not (isinstance(shadow, np.ndarray) and shadow.dtype == np.float16 and shadow.shape == shape
                 and shadow.flags.c_contiguous and shadow.flags.writeable):
             shadow = np.empty(shape, np.float16)
         rvar = r_new = None
         if rvid >= 0:
             rvar = ctx.shareds[rvid]
-            r = dev.get(rvar)
+            r = dev.get(rvar) if on_host else np.asarray(dev.to_host(dev.get(rvar)))
             if not (isinstance(r, np.ndarray) and r.dtype == np.float32 and r.shape == shape):
                 r = np.zeros(shape, np.float32)          # a new shape: start afresh
             r_new = _spare(st, ("r", rvid), r, shape, np.float32)
@@ -283,14 +285,20 @@ def _fp16_step(ctx, items, op):
         else:
             half.compress(value, shadow)
         work.append((var, svar, svid, rvar, r_new, shadow, shape, vid))
-    comm = ctx.comm.pick("all_reduce", np.float16, op, dev.placement)
+    comm = ctx.comm.pick("all_reduce", np.float16, op, "host")     # shadows are host arrays
     results = comm.all_reduce([(svid, shadow) for _, _, svid, _, _, shadow, _, _ in work], op, fence=True)
     held = {}
     for (var, svar, svid, rvar, r_new, _, shape, vid), res in zip(work, results):
-        out = _spare(st, ("v", vid), dev.get(var), shape, np.float32)
+        out = _spare(st, ("v", vid), dev.get(var) if on_host else None, shape, np.float32)
         half.decompress(np.asarray(res), out)
+        if on_host:
+            held[svar] = res
+        else:                         # the shadow stays on the host (internal: no copy to the device)
+            st[("s", svid)] = res
+            out = dev.to_device(out)                                 # (copies)
+            r_new = None if rvar is None else dev.to_device(r_new)
         dev.set(var, out)             # a follow-up step of this command reads it
-        held[var], held[svar] = out, res
+        held[var] = out
         if rvar is not None:
             held[rvar] = r_new
     ctx.hold(ctx.seq, held)
@@ -338,6 +346,7 @@ def _straggle_sleep(delays):
 
 def straggle(x, delays):
     """``x``, computed ``delays[rank]`` seconds late on the given ranks (see ``Straggle``)."""
+    _register_straggle_jax(importing=True)
     return Straggle(delays)(x)
 
 
@@ -361,6 +370,37 @@ def _register_straggle_numba():
 
 
 _register_straggle_numba()
+_jax_registered = False
+
+
+def _register_straggle_jax(importing=False):
+    """Straggle for PyTensor's JAX backend: a host callback that sleeps.  Registered when
+    JAX is already loaded (a JAX rank unpickling a graph) or when a graph uses straggle
+    (``importing``: JAX is loaded then, if installed)."""
+    global _jax_registered
+    if _jax_registered or not (importing or "jax" in sys.modules):
+        return
+    try:
+        import jax
+        from pytensor.link.jax.dispatch import jax_funcify
+    except ImportError:
+        return
+    _jax_registered = True
+
+    @jax_funcify.register(Straggle)
+    def jax_funcify_straggle(op, **kwargs):
+        delays = op.delays
+
+        def sleep_then(x):
+            _straggle_sleep(delays)
+            return x
+
+        def straggle_impl(x):
+            return jax.pure_callback(sleep_then, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        return straggle_impl
+
+
+_register_straggle_jax()
 
 
 # ==========================================================================================
