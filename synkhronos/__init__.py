@@ -13,7 +13,7 @@ from .debug import DebugMismatch
 from .data import data, Data
 from .function import function, distribute, Function
 from .errors import (SynkError, WorkerError, WorkerDied, WorkerStopped, StallTimeout, RankLost,
-                     ForeignSession, OutOfRange, BadArgument)
+                     ForeignSession, OutOfRange, BadArgument, DeviceMemoryError)
 from .collectives import (broadcast, scatter, gather, all_gather, reduce, all_reduce,
                           set_value, get_value, get_lengths, get_shapes)
 from .device import get_n_gpu
@@ -33,5 +33,6 @@ __all__ = ["fork", "close", "data", "Data", "function", "distribute", "Function"
            "broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
            "set_value", "get_value", "get_lengths", "get_shapes",
            "SynkError", "WorkerError", "WorkerDied", "WorkerStopped", "StallTimeout", "RankLost",
-           "ForeignSession", "OutOfRange", "BadArgument", "DebugMismatch", "debug_log", "session_info",
+           "ForeignSession", "OutOfRange", "BadArgument", "DeviceMemoryError", "DebugMismatch", "debug_log",
+           "session_info",
            "get_n_gpu"]

@@ -125,6 +125,15 @@ class Device:
         a device array never aliases it)."""
         return arr
 
+    def wait(self, arrays):
+        """Block until ``arrays`` are computed; raises here if their computation failed
+        (a device that computes asynchronously), before anything is kept or sent."""
+
+    def explain(self, exc, rank, what, inputs):
+        """A clearer exception for ``exc`` (raised by this device while rank ``rank``
+        computed ``what`` on ``inputs``), or None to raise ``exc`` as it is."""
+        return None
+
     def combine(self, mode, parts, weights=None):
         """``reductions.combine`` of arrays of this device, into an array of this device
         (a call's ``num_slices`` partial updates)."""

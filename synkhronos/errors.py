@@ -75,6 +75,28 @@ class StallTimeout(RankLost):
                          f"{what}; the session was closed (call synk.fork() to start again).")
 
 
+class DeviceMemoryError(SynkError, MemoryError):
+    """A rank's device ran out of memory computing its share of a call: names the rank,
+    its device, the allocation that failed and this rank's inputs.  Nothing was applied
+    (updates are all-or-nothing) and the session stays usable: a smaller batch, or
+    ``num_slices``, fits.  A MemoryError too."""
+
+    def __init__(self, rank, device, what, detail, inputs, stats=None):
+        self.rank, self.device, self.detail, self.stats = rank, device, detail, stats
+        text = (f"synkhronos: rank {rank} ({device}) ran out of device memory during {what}: {detail}. "
+                f"This rank's inputs: {inputs}.")
+        if stats:
+            text += (f" Device memory: {_gib(stats.get('bytes_in_use'))} in use, peak "
+                     f"{_gib(stats.get('peak_bytes_in_use'))}, limit {_gib(stats.get('bytes_limit'))}.")
+        text += (" Nothing was applied and the session is usable: use a smaller batch, or num_slices=k to "
+                 "compute each rank's share in k pieces.")
+        super().__init__(text)
+
+
+def _gib(n):
+    return "?" if n is None else f"{n / 2 ** 30:.2f} GiB"
+
+
 class OutOfRange(IndexError, ValueError):
     """An index or selector out of range.  An IndexError; also a ValueError, which the
     original Synkhronos raised, so code written for it still catches it."""

@@ -63,11 +63,18 @@ class Replica:
                 rows = self.sliceable_length(device)
         if rows == 0:
             return None
-        bcast = _on(device, bcast)          # to the device once per call (rows: just this rank's)
-        if num_slices <= 1 or rows is None:
-            outs = self._call(_on(device, scat), bcast, None if sel_idx is None else device.to_device(sel_idx))
-        else:
-            outs = self._sliced(scat, bcast, sel_idx, rows, num_slices, device)
+        try:
+            bcast = _on(device, bcast)          # to the device once per call (rows: just this rank's)
+            if num_slices <= 1 or rows is None:
+                outs = self._call(_on(device, scat), bcast, None if sel_idx is None else device.to_device(sel_idx))
+            else:
+                outs = self._sliced(scat, bcast, sel_idx, rows, num_slices, device)
+            device.wait(outs)
+        except Exception as e:
+            better = device.explain(e, rank, f"function {self.fid}", list(scat) + list(bcast))
+            if better is None:
+                raise
+            raise better from e
         n_out = self.n_out
         news = outs[n_out:]
         if self.update_vars:

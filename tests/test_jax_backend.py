@@ -137,3 +137,38 @@ def test_killed_worker_raises_worker_died_without_hanging():
     with pytest.raises(synk.WorkerDied):
         f(np.ones(4))
     assert synk.session_info() is None
+
+
+def test_device_out_of_memory_names_the_rank_and_applies_nothing(assert_clean):
+    """XLA's RESOURCE_EXHAUSTED (real: an outer product of 2 TiB) becomes DeviceMemoryError
+    naming the rank, the allocation and the inputs; no rank applies its update, and the
+    session goes on.  On one rank only (a worker's longer shard), WorkerError names it."""
+    synk.fork(2, mode="JAX", use_gpu=False)
+    try:
+        x = T.vector("x", dtype="float32")
+        s = pytensor.shared(np.ones(8, "float32"), name="s")
+        w = pytensor.shared(np.float32(0), name="w")
+        f = synk.function([x], [(T.outer(x, x)[::2], "gather")], updates=[(w, w + 1)])
+        g = synk.function([], [(T.outer(s, s)[::2], "gather")], sliceable_shareds=[s],
+                          updates=[(w, w + 1)])
+        synk.distribute()
+        big = np.ones(1 << 21, "float32")              # each rank: 2^20 x 2^20 / 2 floats
+        with pytest.raises(synk.DeviceMemoryError) as e:
+            f(big)
+        text = str(e.value)
+        assert isinstance(e.value, MemoryError)
+        assert "rank 0" in text and "GiB" in text and "(1048576,) float32" in text, text
+        assert [float(synk.get_value(r, w)) for r in range(2)] == [0.0, 0.0]
+        assert f(np.ones(4, "float32"))[0].shape == (2, 2)
+        assert [float(synk.get_value(r, w)) for r in range(2)] == [1.0, 1.0]
+
+        synk.set_value(1, s, big[:1 << 20])              # only rank 1 cannot
+        with pytest.raises(synk.WorkerError) as e:
+            g()
+        assert e.value.ranks == [1] and "ran out of device memory" in str(e.value)
+        assert [float(synk.get_value(r, w)) for r in range(2)] == [1.0, 1.0]
+        synk.set_value(1, s, np.ones(8, "float32"))
+        assert g()[0].shape == (8, 8)
+        assert [float(synk.get_value(r, w)) for r in range(2)] == [2.0, 2.0]
+    finally:
+        synk.close()

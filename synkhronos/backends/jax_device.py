@@ -30,6 +30,7 @@ Settings (environment of the master):
 * ``SYNK_GPUS``: the GPU of each rank, e.g. ``0,1`` (may repeat a GPU: then collectives go
   through the host, NCCL refusing two ranks on one GPU)."""
 import os
+import re
 import socket
 import sys
 import threading
@@ -37,7 +38,7 @@ import threading
 import numpy as np
 
 from ..device import _THREAD_VARS, CpuDevice, Device, compiling, restore_env, usable_cores
-from ..errors import MasterDied
+from ..errors import DeviceMemoryError, MasterDied
 
 _MEM_VARS = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION",
              "XLA_PYTHON_CLIENT_ALLOCATOR")
@@ -613,6 +614,29 @@ class JaxDevice(Device):
         parts = [to_device(p) for p in parts]
         return _combine_fn(mode, parts[0].dtype, len(parts))(tuple(parts), to_device(w))
 
+    def wait(self, arrays):
+        import jax
+        jax.block_until_ready(arrays)     # an XLA error surfaces here (reading a failed buffer aborts)
+
+    def explain(self, exc, rank, what, inputs):
+        """XLA's RESOURCE_EXHAUSTED becomes ``DeviceMemoryError`` naming the rank, its
+        device, the failed allocation, this rank's inputs and the device's memory figures."""
+        text = str(exc)
+        if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
+            return None
+        detail = next((ln.strip() for ln in text.splitlines() if "RESOURCE_EXHAUSTED" in ln or
+                       "out of memory" in ln.lower()), text.strip()).rstrip(".")
+        m = re.search(r"(\d{4,}) bytes", detail)
+        if m:
+            detail += f" ({int(m.group(1)) / 2 ** 30:.2f} GiB)"
+        stats = None
+        try:
+            stats = _ensure().memory_stats()     # None on the CPU
+        except Exception:
+            pass
+        where = f"GPU {self.gpus[rank]}" if self.platform == "gpu" and self.gpus else "JAX CPU device"
+        return DeviceMemoryError(rank, where, what, detail, _sizes(inputs), stats)
+
     def describe(self):
         if self.platform == "gpu":
             comm = "NCCL (XLA collectives)" if self.xla else "host-staged collectives"
@@ -620,6 +644,17 @@ class JaxDevice(Device):
         comm = "XLA gloo collectives" if self.xla else "shared-memory collectives"
         return (f"{self.n} JAX CPU rank(s) on {self.cores} usable cores, {self.threads} thread(s) each, "
                 f"{comm}")
+
+
+def _sizes(arrays):
+    """``shape dtype`` of each array and their total size, for messages."""
+    parts, total = [], 0
+    for a in arrays:
+        shape, dtype = getattr(a, "shape", ()), getattr(a, "dtype", None)
+        nbytes = int(getattr(a, "nbytes", 0) or 0)
+        total += nbytes
+        parts.append(f"{tuple(shape)} {dtype}")
+    return f"{', '.join(parts) or 'none'} ({total / 2 ** 20:.1f} MiB)"
 
 
 _atexit_done = False
