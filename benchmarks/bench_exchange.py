@@ -24,6 +24,11 @@ one rank per host: every all-reduce crosses the hosts; needs root).  Between hos
 plane widens float16 to float32 before MPI (MPI has no float16 type), so there fp16 moves
 as many bytes as float32.
 
+Also the parameter server (``ParameterServer.run``, n - 1 workers): the time per applied
+update of a model whose gradient has the size (trivial compute: a round trip is the
+gradient up, the update rule in the master, the weights down); under ``--mpi`` the worker
+is on the other host (its host's agent relays it, ``backends.mpi_channel``).
+
 Prints a table; saves ``benchmarks/results/exchange_allreduce.json``.
 
 Usage: python benchmarks/bench_exchange.py [--n 2] [--sizes 64] [--reps 15] [--mpi]"""
@@ -80,7 +85,7 @@ def child(spec):
     import pytensor
     import pytensor.tensor as T
     import synkhronos as synk
-    from synkhronos.extensions import exchange
+    from synkhronos.extensions import exchange, updates
     n = synk.fork(spec["n"])
     try:
         sizes = [int(s * MB) for s in spec["sizes"]]
@@ -91,9 +96,16 @@ def child(spec):
         ar16 = exchange.Fp16AllReduce([v16], error_feedback=False)
         aref = exchange.Fp16AllReduce([vef], error_feedback=True)
         replace = {v: synk.function([], updates=[(v, -v)], name=f"replace_{v.name}") for v in (v32, v16, vef)}
+        servers = {}
+        for size in sizes:                # a gradient of ``size`` bytes, computed at no cost
+            pv = pytensor.shared(np.zeros(size // 4, np.float32), name=f"pv{size}")
+            px = T.matrix(f"px{size}", dtype="float32")
+            servers[size] = exchange.ParameterServer(T.sum(pv) * T.mean(px), [pv], [px], updates.sgd,
+                                                     learning_rate=1e-6, name=f"ps{size}")
         synk.distribute()
+        px_data = synk.data(np.ones((8 * n, 2), np.float32))
         rng = np.random.default_rng(1)
-        res = {"n": n, "sizes": spec["sizes"], "steady": {}, "fresh": {}, "accuracy": {}}
+        res = {"n": n, "sizes": spec["sizes"], "steady": {}, "fresh": {}, "accuracy": {}, "ps": {}}
         for size in sizes:
             m = size // 4
             vals = [(rng.standard_normal(m) * 1e-2).astype(np.float32) for _ in range(n)]
@@ -120,6 +132,13 @@ def child(spec):
                     for k in paths:
                         ts[k].append(timed(fns[k], before[k]))
                 res[case][size] = {k: float(np.median(t)) for k, t in ts.items() if t}
+            ps = servers[size]
+            ps.run(px_data, steps=2, batch_size=1, verbose=False, sync=False)         # (compiles)
+            per = []
+            for _ in range(3):
+                r = ps.run(px_data, steps=spec["reps"], batch_size=1, verbose=False, sync=False)
+                per.append(r.seconds / r.applied)
+            res["ps"][size] = float(np.median(per))
             print(f"  {size // MB} MB done", file=sys.stderr, flush=True)
         res["kernels"] = kernels(max(sizes), spec["reps"])
         return res
@@ -154,6 +173,9 @@ def table(res, title):
             lines.append(f"{int(size) // MB:4d}MB {case:>7} {cells}   {t['fp16'] / t['fp32']:6.2f}x")
     acc = ", ".join(f"{int(s) // MB} MB: {a:.1e}" for s, a in res["accuracy"].items())
     lines.append(f"max |fp16 - fp32| / max |fp32|: {acc}")
+    if res.get("ps"):
+        per = ", ".join(f"{int(s) // MB} MB: {t * 1e3:.2f} ms" for s, t in res["ps"].items())
+        lines.append(f"parameter server, time per update (one worker's round trip): {per}")
     return "\n".join(lines)
 
 

@@ -220,31 +220,138 @@ def scenario_fault(n, what):
         _info(ready=True)
         time.sleep(120)
         return
-    victim = info.ranks[-1]
-    sig = signal.SIGKILL if what == "kill" else signal.SIGSTOP
     data = np.arange(float(info.n))
     data[-1] = fs.TRIGGER                  # the victim's share sleeps: the call surely waits
+    res = {}
+    _lose_rank(info.ranks[-1], what, 0.5, lambda: f(data), res)
+    synk.close()
+    _result(**res)
+
+
+def _lose_rank(victim, what, after, call, res):
+    """``call()`` while rank ``victim`` is killed (``kill``) or frozen (``stop``) ``after``
+    seconds in; what it raised goes into ``res`` (and is returned); a frozen rank is then
+    resumed."""
     import threading
-    threading.Timer(0.5, lambda: os.kill(victim.pid, sig)).start()
+    import synkhronos as synk
+    sig = signal.SIGKILL if what == "kill" else signal.SIGSTOP
+    threading.Timer(after, lambda: os.kill(victim.pid, sig)).start()
     t0 = time.monotonic()
-    res = dict(victim=victim.rank, victim_host=victim.host)
+    res.update(victim=victim.rank, victim_host=victim.host)
+    err = None
     try:
-        f(data)
+        call()
         res["raised"] = None
     except synk.SynkError as e:
+        err = e
         res.update(raised=type(e).__name__, message=str(e), rank=getattr(e, "rank", None),
                    host=getattr(e, "host", None))
-    res["seconds"] = time.monotonic() - t0 - 0.5
+    res["seconds"] = time.monotonic() - t0 - after
     res["open_after"] = synk.session_info() is not None
     if what == "stop":
         try:
             os.kill(victim.pid, signal.SIGCONT)
         except OSError:
             pass
+    return err
+
+
+def _eth0():
+    """(rx, tx) bytes of this host's eth0 (a simulated host's link to the others), or None."""
+    try:
+        with open("/proc/self/net/dev") as fh:
+            for line in fh:
+                if line.strip().startswith("eth0:"):
+                    f = line.split(":", 1)[1].split()
+                    return int(f[0]), int(f[8])
+    except OSError:
+        pass
+    return None
+
+
+def scenario_ps(n, what):
+    """The asynchronous parameter server across hosts (``ParameterServer.run``; workers of
+    the other host exchange through its agent).  ``run``: the last rank (other host) slowed
+    by ``straggle``; the loss decreases, every applied gradient is within the staleness
+    bound, the counts add up, the others are not stalled, the bytes between the hosts are
+    one message per gradient and per answer; Ctrl-C stops a run and runs go on.  ``kill`` /
+    ``stop``: the last rank is killed / frozen during a run: the others go on, then ``run``
+    raises WorkerDied / WorkerStopped naming it and its host."""
+    import threading
+    import pytensor
+    import pytensor.tensor as T
+    import synkhronos as synk
+    from synkhronos.extensions import exchange, updates
+    info = _session(n)
+    n = info.n
+    slow_rank, SLOW = n - 1, 0.15
+    rng = np.random.default_rng(2)
+    NI, H, NO = 32, 2048, 4                          # a 288 KB gradient
+    X = rng.standard_normal((512, NI)).astype(np.float32)
+    Y = np.argmax(X @ rng.standard_normal((NI, NO)), axis=1).astype(np.int32)
+    W1 = pytensor.shared((rng.standard_normal((NI, H)) * 0.05).astype(np.float32), name="W1")
+    W2 = pytensor.shared((rng.standard_normal((H, NO)) * 0.05).astype(np.float32), name="W2")
+    x, y = T.matrix("x", dtype="float32"), T.ivector("y")
+    loss = -T.mean(T.special.log_softmax(T.tanh(x @ W1) @ W2, axis=-1)[T.arange(y.shape[0]), y])
+    if what == "run":
+        loss = exchange.straggle(loss, {slow_rank: SLOW})
+    ps = exchange.ParameterServer(loss, [W1, W2], [x, y], updates.sgd, learning_rate=0.2, max_staleness=3)
+    synk.distribute()
+    Xd, Yd = synk.data(X), synk.data(Y)
+
+    def np_loss():
+        z = np.tanh(X.astype(np.float64) @ W1.get_value()) @ W2.get_value()
+        z = z - z.max(axis=1, keepdims=True)
+        return float(np.mean(np.log(np.exp(z).sum(axis=1)) - z[np.arange(len(Y)), Y]))
+
+    remote = [r.rank for r in info.ranks if r.host != info.ranks[0].host]
+    res = dict(n=n, remote=remote, nbytes=ps.size * 4)
+    ps.run(Xd, Yd, steps=4, batch_size=16, verbose=False)          # compiled, loaded everywhere
+    if what == "run":
+        before = np_loss()
+        net0 = _eth0()
+        r1 = ps.run(Xd, Yd, max_seconds=1.5, batch_size=16, slow_after=0.1, verbose=False, sync=False)
+        net1 = _eth0()
+        synk.broadcast([W1, W2])
+        res.update(loss_before=before, loss_after=np_loss(), applied=r1.applied, dropped=r1.dropped,
+                   staleness=r1.staleness, per_rank=r1.per_rank, seconds=r1.seconds, slow=r1.slow,
+                   workers=r1.workers, max_staleness=ps.max_staleness, slow_rank=slow_rank, SLOW=SLOW,
+                   loss_by_rank={r: float(np.mean([ev[4] for ev in r1.events if ev[2] == r])) for r in range(1, n)},
+                   net=None if net0 is None else [net1[0] - net0[0], net1[1] - net0[1]],
+                   weights_equal=all(np.array_equal(synk.get_value(r, W), W.get_value())
+                                     for r in range(n) for W in (W1, W2)))
+        v0 = ps.version
+        res["second_applied"] = ps.run(Xd, Yd, steps=20, batch_size=16, verbose=False).applied
+        res["second_version"] = ps.version - v0
+        timer = threading.Timer(0.4, lambda: os.kill(os.getpid(), signal.SIGINT))
+        timer.start()
+        t0 = time.monotonic()
+        try:
+            ps.run(Xd, Yd, max_seconds=8, batch_size=16, verbose=False)
+            res["interrupted"] = False
+        except KeyboardInterrupt:
+            res["interrupted"] = True
+        timer.join()
+        res["interrupt_seconds"] = time.monotonic() - t0
+        res["after_interrupt"] = ps.run(Xd, Yd, steps=5, batch_size=16, verbose=False).applied
+        synk.close()
+        _result(**res)
+        return
+    victim = [r for r in info.ranks if r.rank == slow_rank][0]
+    err = _lose_rank(victim, what, 0.4, lambda: ps.run(Xd, Yd, max_seconds=1.5, batch_size=16, slow_after=0.3,
+                                                       verbose=False), res)
+    pr = getattr(err, "ps_result", None)
+    if pr is not None:
+        lost_at = ([t for r, t, _ in pr.dead + pr.slow if r == victim.rank] or [None])[0]
+        res.update(dead=pr.dead, slow=pr.slow, lost_at=lost_at, applied=pr.applied,
+                   staleness_ok=all(0 <= s <= ps.max_staleness for s in pr.staleness),
+                   applied_after={r: sum(1 for ev in pr.events if ev[2] == r and ev[5] and lost_at is not None
+                                         and ev[0] > lost_at) for r in range(1, n)})
     synk.close()
     _result(**res)
 
 
 if __name__ == "__main__":
     name, args = sys.argv[1], sys.argv[2:]
-    {"features": scenario_features, "train": scenario_train, "fault": scenario_fault}[name](*args)
+    {"features": scenario_features, "train": scenario_train, "fault": scenario_fault,
+     "ps": scenario_ps}[name](*args)

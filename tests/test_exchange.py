@@ -10,6 +10,7 @@ and the asynchronous parameter server.
 * EASGD and local SGD equal a serial numpy reference of the same algorithm (every rank
   simulated in one process), step for step, on every rank; EASGD's center is the same on
   every rank;
+* channels: private segments, attach by token, slots, the choice of implementation;
 * the parameter server: a worker slowed on purpose (``straggle``) does not slow the others,
   every applied gradient's staleness is within the bound, the slow worker is reported; a
   worker killed mid-run is reported, the others go on, then ``run`` raises ``WorkerDied``
@@ -17,7 +18,8 @@ and the asynchronous parameter server.
   goes on.
 
 Graphs are tiny; sessions have 2 (synchronous strategies) or 3 ranks (parameter server); under
-``mpiexec`` on this machine (``_exchange_mpi.py``) float16 crosses the "hosts" as float16."""
+``mpiexec`` on this machine (``_exchange_mpi.py``) float16 crosses the "hosts" as float16 and
+the parameter server serves workers of every group."""
 import os
 import signal
 import sys
@@ -95,13 +97,74 @@ def test_half_reduction_as_numpy(n):
             assert np.array_equal(c[:10], s[:10]) and np.array_equal(c[size - 3:], s[size - 3:])
 
 
-def test_multi_host_refused():
-    ps = exchange.ParameterServer.__new__(exchange.ParameterServer)
-    fake = types.SimpleNamespace(backend=types.SimpleNamespace(name="mpi"), n=4)
-    with pytest.raises(NotImplementedError, match="one host"):
-        ps._check(fake, 10, None, 8, [])
-    with pytest.raises(NotImplementedError, match="one host"):
-        shm_channel.check_local(object())
+class _FakeControl:
+    """What a channel uses of a control plane (wake-ups recorded)."""
+
+    def __init__(self, prefix, aborted=False):
+        from synkhronos.control import Waiter
+        self.prefix, self.master_rank, self.posted, self._aborted = prefix, 0, [], aborted
+        self.waiter = Waiter(lambda: None, None, 5.0)
+
+    def _post(self, slots):
+        self.posted.extend(slots)
+
+    def _sleep(self, tick):
+        time.sleep(min(tick, 0.002))
+
+    def aborted(self):
+        return self._aborted
+
+
+def test_channel_layout_slots_and_dispatch():
+    """A channel's segment is private (0600, random token under the host session's
+    prefix); a worker attaches by token and finds its place in the header (waiting for a
+    segment not made yet, as on another host before its agent opens the run); each area
+    has ``HEAD`` bytes before it for relays; answers and stops wake the workers' slots
+    (numbered from 1 on the other hosts of a multi-host session); ``shm_channel.create``
+    takes the control plane's own channel when it has one (across hosts)."""
+    from synkhronos.backends import shm
+    from synkhronos.errors import Aborted
+    prefix = shm.new_prefix()
+    ctl = _FakeControl(prefix)
+    try:
+        ch = shm_channel.Channel.create(ctl, [5, 7], 24, 40, slots={5: 1, 7: 2}, pids={7: os.getpid()})
+        assert ch.name == f"{prefix}_ch{ch.token}" and len(ch.token) == 16
+        assert os.stat(os.path.join(shm.SHM_DIR, ch.name.lstrip("/"))).st_mode & 0o777 == 0o600
+        w = shm_channel.Channel.attach(ctl, ch.token, 7)
+        assert w.ranks == (5, 7) and (w.up_bytes, w.down_bytes) == (24, 40)
+        assert ch.status(5) == "starting" and ch.status(7) == "alive"
+        w.up(7, np.float64)[:] = [1, 2, 3]
+        w.send((11, 12))
+        assert ctl.posted[-1] == 0 and ch.pending() == [7] and ch.message(7) == (11, 12, 0, 0)
+        raw = ch.up_raw(7)
+        assert raw.size == shm_channel.HEAD + 24 and np.array_equal(raw[shm_channel.HEAD:].view(np.float64), [1, 2, 3])
+        ch.down(7, np.int32)[:] = np.arange(10)
+        ch.answer(7, (3,))
+        assert ctl.posted[-1] == 2 and ch.pending() == []
+        assert w.wait_answer()[0] == 3 and np.array_equal(w.down(7, np.int32), np.arange(10))
+        assert np.array_equal(ch.down_raw(7)[shm_channel.HEAD:].view(np.int32), np.arange(10))
+        ch.stop()
+        assert ctl.posted[-2:] == [1, 2] and w.wait_answer() is None
+        with pytest.raises(RuntimeError, match="not one of its workers"):
+            shm_channel.Channel.attach(ctl, ch.token, 6)
+        w.close()
+        ch.close()
+        assert shm.leftovers(prefix.lstrip("/")) == []
+        # attach waits for the segment (bounded: the waiter, the command's abort)
+        token, made = "0123456789abcdef", []
+        timer = threading.Timer(0.1, lambda: made.append(shm_channel.Channel.create(ctl, [3], 8, 8, token=token)))
+        timer.start()
+        w = shm_channel.Channel.attach(ctl, token, 3)
+        timer.join()
+        assert w.ranks == (3,) and made[0].status(3) == "alive"
+        w.close()
+        made[0].close()
+        with pytest.raises(Aborted):
+            shm_channel.Channel.attach(_FakeControl(prefix, aborted=True), token, 3)
+    finally:
+        shm.remove_all(prefix)
+    hosts = types.SimpleNamespace(make_channel=lambda *a: ("across hosts", a))
+    assert shm_channel.create(hosts, (1, 2), 8, 16) == ("across hosts", ((1, 2), 8, 16))
 
 
 # ---- a tiny model, numpy reference -----------------------------------------------------------
@@ -467,7 +530,8 @@ def _mpiexec():
 def test_across_hosts(nprocs, n):
     """float16 travels as float16 between hosts (within its bound of numpy on every rank,
     several ranks on a host or one), the fp16 exchange and EASGD work, and the parameter
-    server says it needs one host."""
+    server trains with workers in every group (the others' through their group's agent;
+    failures and bytes between hosts: tests/test_mpi.py on two simulated hosts)."""
     import json
     import subprocess
     here = os.path.dirname(os.path.abspath(__file__))
@@ -478,4 +542,4 @@ def test_across_hosts(nprocs, n):
     lines = [ln.split("SYNK-RESULT ", 1)[1] for ln in p.stdout.splitlines() if "SYNK-RESULT " in ln]
     assert p.returncode == 0 and lines, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads(lines[-1])
-    assert res["failed"] == [] and res["checks"] == 9 and len(res["hosts"]) == nprocs
+    assert res["failed"] == [] and res["checks"] == 14 and len(res["hosts"]) == nprocs

@@ -6,7 +6,9 @@
 
 Every function feature and collective is checked against numpy on the same data
 (``_mpi_scripts.scenario_features``), a small MLP trained with the training kit against
-the same training in one process, and the failure cases: a rank killed or stopped on the
+the same training in one process, the asynchronous parameter server with workers on both
+hosts (``scenario_ps``: training, staleness, a straggler, the bytes between the hosts,
+Ctrl-C, a worker of the other host killed or frozen), and the failure cases: a rank killed or stopped on the
 other host (named, with its host, within 5 s), an uncaught exception in the master (the
 job ends instead of hanging), the master killed (every process on every host ends, and no
 host's /dev/shm keeps anything, MPICH's own ``mpich_shm_*`` files included)."""
@@ -164,6 +166,60 @@ def test_hosts_rank_lost_on_the_other_host(hosts, what, exc):
     assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
     assert res["raised"] == exc and res["rank"] == 3 and res["host"] == "hB", res
     assert "rank 3 on host hB" in res["message"] and res["seconds"] < 5.0
+    assert_hosts_clean(hosts)
+
+
+def test_hosts_parameter_server(hosts):
+    """The asynchronous parameter server with workers on both hosts (rank 1 on the master's
+    host, ranks 2 and 3 on the other, rank 3 slowed): it trains, every applied gradient is
+    within the staleness bound, the counts add up, the slow worker stalls nobody, each
+    gradient and each answer crosses between the hosts once, Ctrl-C stops a run."""
+    p, info, res = run_hosts(hosts, "ps", "4", "run")
+    assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
+    assert res["remote"] == [2, 3] and res["slow_rank"] == 3
+    per = {int(r): v for r, v in res["per_rank"].items()}
+    assert sorted(per) == [1, 2, 3]
+    assert res["loss_after"] < 0.9 * res["loss_before"], res
+    # every worker computed on its own rows (the other host's shipped with the command): on
+    # rows it never got (zeros) its loss would be log(4) = 1.386 throughout
+    assert all(v < 1.25 for v in res["loss_by_rank"].values()), res["loss_by_rank"]
+    assert len(res["staleness"]) == res["applied"] == sum(v["applied"] for v in per.values())
+    assert res["dropped"] == sum(v["dropped"] for v in per.values())
+    assert all(0 <= s <= res["max_staleness"] for s in res["staleness"])
+    assert all(v["sent"] == v["applied"] + v["dropped"] and v["max_staleness"] <= res["max_staleness"]
+               for v in per.values())
+    assert all(res["workers"][str(r)]["sent"] >= per[r]["sent"] for r in per)
+    # the slowed worker (a gradient per 0.15 s) stalled nobody, on either host
+    slow = per[3]
+    assert slow["sent"] <= res["seconds"] / res["SLOW"] + 2
+    assert per[1]["applied"] > 5 * (slow["sent"] + 1) and per[2]["applied"] > 5 * (slow["sent"] + 1), per
+    assert 3 in [r for r, _, _ in res["slow"]]
+    # bytes into / out of the master's host: one message per gradient of ranks 2 and 3 (at
+    # most one more per worker was in flight at the end), one per answer (+ the first ones)
+    msg = res["nbytes"] + 64
+    ups = per[2]["sent"] + per[3]["sent"]
+    rx, tx = res["net"]
+    assert ups * msg <= rx <= 1.25 * (ups + 2) * msg + 200_000, (rx, ups, msg)
+    assert (ups + 2) * msg <= tx <= 1.25 * (ups + 4) * msg + 200_000, (tx, ups, msg)
+    assert res["weights_equal"]
+    assert res["second_applied"] == res["second_version"] == 20
+    assert res["interrupted"] and res["interrupt_seconds"] < 3.0 and res["after_interrupt"] == 5
+    assert_hosts_clean(hosts)
+
+
+@pytest.mark.parametrize("what,exc", [("kill", "WorkerDied"), ("stop", "WorkerStopped")])
+def test_hosts_parameter_server_lost_worker(hosts, what, exc):
+    """A worker of the other host killed (frozen) during a run: reported, the others (its
+    host's too) go on, then the run raises WorkerDied (WorkerStopped) naming rank and host,
+    and every host is left clean."""
+    p, info, res = run_hosts(hosts, "ps", "4", what)
+    assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
+    assert res["raised"] == exc and res["rank"] == 3 and res["host"] == "hB", res
+    assert "rank 3 on host hB" in res["message"] and not res["open_after"]
+    assert res["seconds"] < 8.0 and res["staleness_ok"]
+    reports = res["dead"] if what == "kill" else res["slow"]
+    assert [r for r, _, _ in reports] == [3] and res["lost_at"] < 2.0, res
+    assert res["applied_after"]["1"] > 10 and res["applied_after"]["2"] > 10, res["applied_after"]
     assert_hosts_clean(hosts)
 
 

@@ -17,7 +17,7 @@ which the other hosts take part: its barrier arrivals and votes are written by t
 MPI process (the master on its host) once the whole session has arrived or decided.  The
 master is the hub: agents forward their host's arrivals, votes, aborts, replies and lost
 ranks; the master answers with "go", decisions and aborts.  Data moves between hosts only
-in two ways:
+in three ways:
 
 * the rows each host's ranks need of a call's inputs (or of a scatter / set_value) reach
   that host once per command, into copies ("mirrors") of the master's buffers under names
@@ -25,7 +25,10 @@ in two ways:
   them;
 * collectives are hierarchical (``HierComm``): each host reduces (or gathers) through
   shared memory into a host buffer, the host's MPI process runs one MPI collective on it
-  with the other hosts, and every rank of the host copies the result.
+  with the other hosts, and every rank of the host copies the result;
+* channels of asynchronous exchanges (the parameter server): each host's agent owns its
+  host's channel and relays its workers' messages and the master's answers, one MPI
+  message each, on a communicator of their own (``backends.mpi_channel``).
 
 Failure handling: a rank that exits or stops on any host is reported by its host's MPI
 process and ends the master's command with WorkerDied / WorkerStopped naming the rank and
@@ -94,6 +97,7 @@ class _World:
         if not MPI.Is_initialized():
             MPI.Init_thread(MPI.THREAD_SERIALIZED)
         self.comm = MPI.COMM_WORLD.Dup()
+        self.chan = MPI.COMM_WORLD.Dup()     # channels (backends.mpi_channel): never command traffic
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.host = MPI.Get_processor_name() or socket.gethostname()
         self.mpi_shm = sorted(set(_shm_names()) - before)        # e.g. mpich_shm_<hex>_<node>
@@ -369,6 +373,11 @@ class HierControl(Control):
 
     def alloc(self, nbytes, tag="d"):
         return self.local.alloc(nbytes, tag)
+
+    def make_channel(self, ranks, up_bytes, down_bytes):
+        """The channel of one command to workers on every host (``shm_channel.create``)."""
+        from .mpi_channel import HostsChannel
+        return HostsChannel(self, ranks, up_bytes, down_bytes)
 
     # every rank
     def begin(self, seq):
@@ -993,6 +1002,8 @@ class _Agent:
         self.mirrors = {}              # master's handle -> Segment (its copy on this host)
         self.buffers = {}              # host buffers attached for MPI requests
         self.inflight = None
+        self.relay = None              # the host's end of channels (mpi_channel.HostRelay)
+        self.replied = -1              # the last command every rank of the host answered
         self.req_done = 0
         self.lost_sent = False
 
@@ -1022,7 +1033,10 @@ class _Agent:
         self.launcher.start(ranks, lambda r: [sys.executable, "-P", "-m", "synkhronos.worker",
                                               json.dumps({"rank": r})], env_for)
         self.inflight = 0
-        self.w.isend((self.w.host, {r: p for r, _h, p in self.launcher.info()}), 0, READY)
+        pids = {r: p for r, _h, p in self.launcher.info()}
+        from .mpi_channel import HostRelay
+        self.relay = HostRelay(self.w, self.ctl, self.first, pids)
+        self.w.isend((self.w.host, pids), 0, READY)
 
     def run(self):
         try:
@@ -1048,8 +1062,8 @@ class _Agent:
 
     def step(self):
         """One round of everything the agent watches; None once the session ended."""
-        busy = False
         w, host, ctl = self.w, self.host, self.ctl
+        busy = self.relay.service(self.replied)     # channels first: a run opens before its command
         messages = w.poll()
         for i, (_src, tag, obj) in enumerate(messages):
             busy = True
@@ -1094,6 +1108,7 @@ class _Agent:
             seq = self.inflight
             w.isend((seq, {self.grank(m): ctl.readers[m].read(seq) for m in self.members}), 0, REPLY)
             self.inflight = None
+            self.replied = seq
             busy = True
         if not self.lost_sent:
             try:
@@ -1140,6 +1155,8 @@ class _Agent:
         return seg.array(dtype, tuple(shape))
 
     def stop(self):
+        if self.relay is not None:
+            self.relay.abandon()
         self.launcher.stop(getattr(self, "graceful", False))
         self.ctl.close()
         shm.remove_all(self.prefix)

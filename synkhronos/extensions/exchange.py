@@ -47,7 +47,8 @@ How each one runs (see ``docs/exchange.rst`` for when each helps, with measureme
   (no all-reduce); every ``k``-th step chains ``all_reduce(param, "avg")`` of every
   parameter in the same command.
 * **parameter server**: one long command (``ParameterServer.run``); master and workers
-  exchange through a ``backends.shm_channel.Channel`` (shared memory, one host only).
+  exchange through a channel (``backends.shm_channel``: shared memory inside a host; across
+  hosts each host's agent relays its workers' messages over MPI, ``backends.mpi_channel``).
 
 Also here: ``straggle(x, {rank: seconds})``, an identity op that sleeps on the given ranks
 (to simulate a slow worker)."""
@@ -710,8 +711,12 @@ class ParameterServer:
     ``PSResult`` as its ``ps_result``.
 
     The master only serves (it computes no gradients), so n ranks give n - 1 computing
-    workers.  Shared memory, one host: under ``mpiexec`` (several hosts) ``run`` raises
-    ``NotImplementedError``."""
+    workers.  On one host master and workers exchange through shared memory; under
+    ``mpiexec`` (several hosts) the workers of another host exchange through their host's
+    agent, which relays each gradient to the master and each answer back over MPI (once
+    per message, no pickling), with the same guarantees: staleness within the bound, a
+    slow, dead or frozen worker on any host reported (``WorkerDied`` / ``WorkerStopped``
+    naming rank and host) without stalling the others."""
 
     def __init__(self, loss, params, inputs, update_rule, *args, max_staleness=None, name="ps", **kwargs):
         rt = _before_distribute("ParameterServer")
@@ -739,11 +744,6 @@ class ParameterServer:
         self._warm = False
 
     def _check(self, rt, steps, max_seconds, batch_size, datas):
-        if rt.backend.name != "local":
-            raise NotImplementedError(
-                "ParameterServer.run exchanges through shared memory between the ranks of one host; "
-                "this session spans several hosts (mpiexec). Use a synchronous strategy there "
-                "(BSP, fp16, EASGD or local SGD).")
         if rt.n < 2:
             raise ValueError("ParameterServer.run needs at least one worker besides the master: fork(2) or more")
         if steps is None and max_seconds is None:
@@ -781,14 +781,15 @@ class ParameterServer:
             self.grad_function(*datas, batch=slice(0, min(n_rows, 2 * rt.n)))
             self.update_function._replica.f()                       # compiled; result dropped
             self._warm = True
-        from synkhronos.backends.shm_channel import Channel
+        from synkhronos.backends import shm_channel
+        from synkhronos.plans import Need, Rows
         nbytes = self.size * self.dtype.itemsize
         with rt.api(True):
             ctx = rt.ctx
             workers = tuple(ctx.control.workers)
-            ch = Channel.create(ctx.control, workers, nbytes, nbytes)
+            ch = shm_channel.create(ctx.control, workers, nbytes, nbytes)
             try:
-                spec = dict(channel=ch.name, workers=workers, nbytes=nbytes, dtype=self.dtype.str,
+                spec = dict(channel=ch.token, workers=workers, nbytes=nbytes, dtype=self.dtype.str,
                             grad_fid=self.grad_function._replica.fid,
                             params=[_vid(rt, p, "ParameterServer") for p in self.params],
                             data=[d._ref() for d in datas], rows=n_rows, batch=int(batch_size),
@@ -796,8 +797,14 @@ class ParameterServer:
                 result = PSResult(version=self.version)
                 self.last_result = result
                 server = _Server(self, rt, ch, workers, result, steps, max_seconds, slow_after, verbose)
+                # worker j reads rows [j * rows // w, (j + 1) * rows // w) of every input (the
+                # master none): what a session across hosts ships to each host with the command
+                w = len(workers)
+                rows = Rows("range", (0,) + tuple((j * n_rows) // w for j in range(w + 1)))
+                needs = tuple(Need(d._ref(), rows) for d in datas)
                 try:
-                    _, replies = rt.execute(CMD_PS, (spec,), server.serve, what="parameter server run")
+                    _, replies = rt.execute(CMD_PS, (spec,), server.serve, what="parameter server run",
+                                            needs=needs)
                 except synk.RankLost as e:
                     e.ps_result = result
                     raise
@@ -943,7 +950,7 @@ def _ps_worker(ctx, spec):
     from synkhronos.backends.shm_channel import FAILED, FINISHED, RUNNING, Channel, float_bits
     dtype = np.dtype(spec["dtype"])
     size = spec["nbytes"] // dtype.itemsize
-    ch = Channel.attach(ctx.control, spec["channel"], spec["workers"], spec["nbytes"], spec["nbytes"])
+    ch = Channel.attach(ctx.control, spec["channel"], ctx.rank)
     try:
         dev = ctx.device
         f = ctx.replicas[spec["grad_fid"]].f
