@@ -84,25 +84,27 @@ THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BL
                "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS", "NUMBA_NUM_THREADS")
 
 
-def mlp_params(sizes, seed, dtype="float32"):
-    """Shared parameters of a relu MLP of layer widths ``sizes`` (initialised as
-    ``demos/mnist_mlp.py`` does: He-scaled uniform weights, zero biases) and its forward
-    function."""
-    import pytensor
-    import pytensor.tensor as pt
-    rng = np.random.default_rng(seed)
-    params = []
-    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
-        lim = np.sqrt(6.0 / (a + b)) * (np.sqrt(2.0) if i < len(sizes) - 2 else 1.0)
-        params.append(pytensor.shared(rng.uniform(-lim, lim, (a, b)).astype(dtype), name=f"W{i}"))
-        params.append(pytensor.shared(np.zeros(b, dtype), name=f"b{i}"))
+def save_results(res, name):
+    """Write ``res`` to ``results/name``; matplotlib's pyplot for the plot, or None when
+    matplotlib is not installed."""
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, name), "w") as fh:
+        json.dump(res, fh, indent=1)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
+        return None
+    return plt
 
-    def forward(x):
-        h = x
-        for i in range(0, len(params) - 2, 2):
-            h = pt.maximum(h @ params[i] + params[i + 1], 0)
-        return h @ params[-2] + params[-1]
-    return params, forward
+
+def mlp_params(sizes, seed, dtype="float32"):
+    """Shared parameters of a relu MLP of layer widths ``sizes``, initialised as
+    ``demos/mnist_mlp.py`` does, and its forward function."""
+    from mnist_mlp import mlp_params as demo_mlp_params
+    return demo_mlp_params(sizes, seed, dtype)
 
 
 def build(model, x, seed=0):
@@ -410,15 +412,8 @@ def write_contenders(rows, models, batches, cores, rule, reps, n_steps, info, bu
                load_before=loads[0], load_after=loads[1], busy=busy, rule=rule,
                learning_rate=RULES[rule], reps=reps, dtype="float32", rows_in_training_set=N_ROWS,
                versions=versions(), torch=info, contenders=labels, results=rows)
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "training_torch.json"), "w") as fh:
-        json.dump(res, fh, indent=1)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plot)")
+    plt = save_results(res, "training_torch.json")
+    if plt is None:
         return
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.8), squeeze=False)
     colors = {"synk n=2": "C0", f"PyTensor {cores} threads": "silver", "PyTensor 1 thread": "gray",
@@ -692,15 +687,8 @@ def report(thr, st, models, batches, cores, ns, load0, load1, busy):
                 print(f"  {m:5s} {label:34s} {c['total']:11.1f} {w['total']:11.1f}   {c['first_step']:.1f}")
                 srows.append(dict(model=m, mode=mode, cold=c, warm=w))
         res["startup"] = srows
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "training.json"), "w") as fh:
-        json.dump(res, fh, indent=1)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plot)")
+    plt = save_results(res, "training.json")
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2 if st is not None else 1, figsize=(12 if st is not None else 7, 4.2),
                              squeeze=False)

@@ -55,10 +55,15 @@ def parse_args(argv=None):
 
 def build_mlp(n_in, n_hidden, n_out, seed, dtype="float32"):
     """Shared parameters (He-scaled uniform weights, zero biases) and a forward function."""
+    return mlp_params([n_in, n_hidden, n_hidden, n_out], seed, dtype)
+
+
+def mlp_params(sizes, seed, dtype="float32"):
+    """Shared parameters of a relu MLP of layer widths ``sizes`` (He-scaled uniform
+    weights, zero biases) and its forward function."""
     import pytensor
     import pytensor.tensor as pt
     rng = np.random.default_rng(seed)
-    sizes = [n_in, n_hidden, n_hidden, n_out]
     params = []
     for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
         lim = np.sqrt(6.0 / (a + b)) * (np.sqrt(2.0) if i < len(sizes) - 2 else 1.0)

@@ -258,6 +258,21 @@ def S():
         synk.close()
 
 
+def local_steps(S, step, ranks, steps):
+    """Steps 1..steps of ``step`` on batches of S's data, with the serial reference: yields
+    ``(t, ranks)`` after each step's local SGD update of every rank's parameters; the
+    caller applies the exchange to ``ranks`` in place (list items), then checks."""
+    Xd, Yd = synk.data(S.X), synk.data(S.Y)
+    for t in range(1, steps + 1):
+        rows = shard_rows(t, S.n)
+        base = (t * B) % 96
+        step(Xd, Yd, batch=slice(base, base + B))
+        for r in range(S.n):
+            g = np_grads(ranks[r], S.X[rows[r]], S.Y[rows[r]])
+            ranks[r] = [p - LR * gi for p, gi in zip(ranks[r], g)]
+        yield t, ranks
+
+
 class TestSynchronous:
     """fp16 all-reduce, the compressed step, EASGD and local SGD: one 2-rank session."""
 
@@ -340,18 +355,11 @@ class TestSynchronous:
         step.restore(init + [flat(init)])
         ranks = [[p.copy() for p in init] for _ in range(n)]
         center = flat(init)
-        Xd, Yd = synk.data(S.X), synk.data(S.Y)
-        for t in range(1, 3 * TAU + 2):
-            rows = shard_rows(t, n)
-            base = (t * B) % 96
-            step(Xd, Yd, batch=slice(base, base + B))
-            for r in range(n):
-                g = np_grads(ranks[r], S.X[rows[r]], S.Y[rows[r]])
-                ranks[r] = [p - LR * gi for p, gi in zip(ranks[r], g)]
+        for t, ranks in local_steps(S, step, ranks, 3 * TAU + 1):
             if t % TAU == 0:                                 # the elastic exchange
                 mean = np.mean([flat(p) for p in ranks], axis=0)
                 c = unflat(center, init)
-                ranks = [[p - ALPHA * (p - ci) for p, ci in zip(ps, c)] for ps in ranks]
+                ranks[:] = [[p - ALPHA * (p - ci) for p, ci in zip(ps, c)] for ps in ranks]
                 center = center + ALPHA * n * (mean - center)
             for r in range(n):
                 got = synk.get_value(r, S.pe)
@@ -369,18 +377,11 @@ class TestSynchronous:
         init = init_params("float64")
         step.restore(init)
         ranks = [[p.copy() for p in init] for _ in range(n)]
-        Xd, Yd = synk.data(S.X), synk.data(S.Y)
         counter = tu.CommandCounter()
-        for t in range(1, 2 * K + 2):
-            rows = shard_rows(t, n)
-            base = (t * B) % 96
-            step(Xd, Yd, batch=slice(base, base + B))
-            for r in range(n):
-                g = np_grads(ranks[r], S.X[rows[r]], S.Y[rows[r]])
-                ranks[r] = [p - LR * gi for p, gi in zip(ranks[r], g)]
+        for t, ranks in local_steps(S, step, ranks, 2 * K + 1):
             if t % K == 0:
                 mean = [np.mean([ps[i] for ps in ranks], axis=0) for i in range(len(init))]
-                ranks = [[m.copy() for m in mean] for _ in range(n)]
+                ranks[:] = [[m.copy() for m in mean] for _ in range(n)]
             for r in range(n):
                 for g, w in zip(synk.get_value(r, S.pl), ranks[r]):
                     np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-13)

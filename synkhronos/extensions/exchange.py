@@ -519,19 +519,8 @@ class CompressedTrainFunction(_train.TrainFunction):
             return ()
         return self.compressor.steps("avg") + (("run", self.update_function._replica.fid),)
 
-    def __call__(self, *data, batch=None, num_slices=1, **call_kwargs):
-        data, call_kwargs = _train._legacy_data_names("the training step", self.inputs, data, call_kwargs)
-        f = self.grad_function
-        if self._then is None:
-            self._then = self._chain()
-        if self._then and self.update_function._warm:
-            output_subset = call_kwargs.pop("output_subset", None)
-            batch_s = call_kwargs.pop("batch_s", None)
-            return f._invoke(data, call_kwargs, output_subset, batch, batch_s, num_slices, self._then)
-        loss = f(*data, batch=batch, num_slices=num_slices, **call_kwargs)
+    def _exchange(self):
         self.compressor("avg")
-        self.update_function()
-        return loss
 
 
 class LocalTrainFunction:

@@ -132,9 +132,13 @@ class TrainFunction:
             batch_s = call_kwargs.pop("batch_s", None)
             return f._invoke(data, call_kwargs, output_subset, batch, batch_s, num_slices, self._then)
         loss = f(*data, batch=batch, num_slices=num_slices, **call_kwargs)
-        synk.all_reduce(_as_var_list(self.grad_shared), op="avg")
+        self._exchange()
         self.update_function()
         return loss
+
+    def _exchange(self):
+        """The gradient's exchange when the step is not chained (three round trips)."""
+        synk.all_reduce(_as_var_list(self.grad_shared), op="avg")
 
     def _chain(self):
         """The follow-ups of the gradient call (``replica.follow_up``): () when the step
