@@ -43,7 +43,9 @@ class Comm:
         """Called on every rank once the keys are known (at distribute); ``names``: key ->
         what to call it in messages."""
 
-    def all_reduce(self, items, op, fence=True):
+    def all_reduce(self, items, op, fence=True, scratch=False):
+        """``scratch``: the results are intermediate values of a call (an in-graph op), so
+        an implementation may skip the all-or-nothing vote (a failed call applies nothing)."""
         raise NotImplementedError
 
     def reduce(self, items, op, root, outs=None, fence=True):

@@ -163,7 +163,8 @@ class AllReduce(CollectiveOp):
         if r is None:
             return x
         impl = _impl(r, "all_reduce", x.dtype, self.op)
-        return _own(impl, "all_reduce", impl.all_reduce([(_key(r, "all_reduce"), x)], self.op, fence=True)[0])
+        return _own(impl, "all_reduce", impl.all_reduce([(_key(r, "all_reduce"), x)], self.op, fence=True,
+                                                        scratch=True)[0])
 
     def infer_shape(self, *args):      # (node, shapes); PyTensor < 3.x: (fgraph, node, shapes)
         return [args[-1][0]]

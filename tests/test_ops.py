@@ -20,6 +20,7 @@ import pytest
 import pytensor
 import pytensor.tensor as T
 from pytensor.compile.mode import Mode
+from pytensor.raise_op import Assert
 
 import synkhronos as synk
 from synkhronos import ops
@@ -184,6 +185,10 @@ def S(request):
         mismatch = synk.function([x], (T.sum(ops.all_reduce(x.sum(axis=1))), "sum"),
                                  updates=[(u, u + ops.all_reduce(x.sum(axis=0)))])
         good = synk.function([x], (ops.all_reduce(x.sum(axis=0), "sum"), None), updates=[(u, u + 1)])
+        # fails on the last rank only, after its in-graph all_reduce completed everywhere
+        total = ops.all_reduce(x.sum(axis=0), "sum")
+        late_fail = synk.function([x], (T.sum(total), "sum"), updates=[(u, Assert("the last rank fails")(
+            u + total, T.neq(ops.this_rank(), ops.n_ranks() - 1)))])
         info = synk.function([x], (T.stack([ops.this_rank(), ops.n_ranks()]), "gather"),
                              on_unused_input="ignore")
         perform = synk.function([x], (ops.all_reduce(x.sum(axis=0)), None), mode="FAST_COMPILE")
@@ -196,6 +201,7 @@ def S(request):
         data = dict(X=rng.standard_normal((N, D)), c=rng.standard_normal(D), A=rng.standard_normal((M, D)),
                     C=rng.standard_normal((N, D)), cnt=np.asarray(COUNTS[n], np.int64))
         yield types.SimpleNamespace(n=n, v=v, w=w, u=u, fs=fs, data=data, mismatch=mismatch, good=good,
+                                    late_fail=late_fail,
                                     info=info, perform=perform, jax_error=jax_error, serial={})
     finally:
         synk.close()
@@ -271,6 +277,22 @@ class TestOps:
             np.testing.assert_array_equal(synk.get_value(r, S.u), before[r])
         # the session goes on: the next call works and commits its updates everywhere
         np.testing.assert_allclose(S.good(S.data["X"]), S.data["X"].sum(axis=0), rtol=1e-12)
+        for r in range(S.n):
+            np.testing.assert_array_equal(synk.get_value(r, S.u), before[r] + 1)
+
+    def test_failure_after_the_collective_applies_nothing(self, S):
+        """In-graph collectives skip the all-or-nothing vote (their results are a call's own
+        values): a rank that fails after one has completed still leaves every rank's
+        variables unchanged, and the session goes on."""
+        if S.n == 1:
+            pytest.skip("one rank: it fails alone")
+        before = [synk.get_value(r, S.u) for r in range(S.n)]
+        with pytest.raises(synk.WorkerError, match="the last rank fails") as ei:
+            S.late_fail(S.data["X"])
+        assert ei.value.ranks == [S.n - 1]
+        for r in range(S.n):
+            np.testing.assert_array_equal(synk.get_value(r, S.u), before[r])
+        S.good(S.data["X"])
         for r in range(S.n):
             np.testing.assert_array_equal(synk.get_value(r, S.u), before[r] + 1)
 

@@ -627,7 +627,7 @@ class HierComm(Comm):
         return [[tuple(s) for h in every for s in h[i]] for i in range(len(items_shapes))]
 
     # ---- verbs -----------------------------------------------------------------------------
-    def all_reduce(self, items, op, fence=True):
+    def all_reduce(self, items, op, fence=True, scratch=False):
         return self._reduction(items, op, None, True)
 
     def reduce(self, items, op, root, in_place=True, fence=True):

@@ -325,7 +325,10 @@ class ShmComm(Comm):
         return srcs
 
     # ---- verbs ---------------------------------------------------------------------------
-    def all_reduce(self, items, op, fence=True):
+    def all_reduce(self, items, op, fence=True, scratch=False):
+        """``scratch`` (an in-graph op: the results are a call's intermediate values, never
+        a variable's): no vote before the write; a rank that fails aborts the call, whose
+        updates no rank then applies."""
         if self.n == 1:
             return [np.asarray(a) for _, a in items]
         staged, views = self._prepare_reduction(items, "all_reduce")
@@ -336,7 +339,10 @@ class ShmComm(Comm):
                 _reduce_chunk(op, self._sources(vs, flat), vs, bounds[self.rank], bounds[self.rank + 1],
                               flat.dtype)
                 self.slots.lend(key)
-        self._commit(write)
+        if scratch:
+            write()
+        else:
+            self._commit(write)
         if fence:
             self.sync.barrier()
         return [vs[self.rank].reshape(shape) for (_, shape), vs in zip(staged, views)]
