@@ -258,7 +258,8 @@ def main():
     for col, op in enumerate(("all_reduce", "broadcast")):
         series = [("synk", synk_res[op], "C0", "-o")]
         if op == "all_reduce":
-            series.append(("synk copy-in", synk_res["all_reduce_copy_in"], "C0", "--s"))
+            series.append(("synk copy-in (value just replaced by a function)", synk_res["all_reduce_copy_in"],
+                           "C0", "--s"))
         if mpi_res:
             series.append(("mpi4py", mpi_res[op], "C1", "-^"))
         series.append(("np.copyto (bound)", copy_res, "0.5", ":"))
@@ -275,7 +276,11 @@ def main():
         for ax in axes[:, col]:
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
-    fig.tight_layout()
+    fig.text(0.01, 0.005, "synk: the variable still holds the previous result, which lies in the shared slot; "
+             "synk copy-in: a function has just replaced the value (as a gradient is in training), so it is first "
+             "copied into the slot.\nnp.copyto (bound): one copy of the buffer in this process; mpi4py: "
+             "Allreduce/Bcast over the same ranks (mpich, mpiexec).", fontsize=7, va="bottom")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     png = os.path.join(args.out, "collectives.png")
     fig.savefig(png, dpi=110)
     print(png)
