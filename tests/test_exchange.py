@@ -30,6 +30,7 @@ import types
 import numpy as np
 import pytensor
 import pytensor.tensor as T
+from pytensor.raise_op import Assert
 import pytest
 
 import synk_testutil as tu
@@ -395,14 +396,20 @@ class TestSynchronous:
 SLOW = 0.15
 
 
-def _ps_session(slow_rank):
+def _ps_session(slow_rank, nan_rows=0):
+    """A 3-rank parameter server; ``nan_rows``: the last rows of X are NaN, where the
+    gradient raises (worker 2 reads the second half of the rows)."""
     synk.fork(3)
     p, x, y, loss = model("float32", "ps")
     if slow_rank is not None:
         loss = exchange.straggle(loss, {slow_rank: SLOW})
+    if nan_rows:
+        loss = Assert("NaN in this worker's rows")(loss, T.all(T.isfinite(x)))
     ps = exchange.ParameterServer(loss, p, [x, y], updates.sgd, learning_rate=0.1, max_staleness=3)
     synk.distribute()
     X, Y = data(400, seed=3)
+    if nan_rows:
+        X[-nan_rows:] = np.nan
     return ps, synk.data(X.astype(np.float32)), synk.data(Y)
 
 
@@ -461,6 +468,32 @@ def test_ps_killed_worker(assert_clean):
         assert len(after) > 10
         assert time.monotonic() - t0 < 10
         assert not tu.is_open()
+    finally:
+        synk.close()
+    assert_clean()
+
+
+def test_ps_failing_worker(assert_clean):
+    """A worker whose gradient raises ends the run at once (unlike a dead or slow worker,
+    which the others outlive: an exception is most likely a bug of every worker): WorkerError
+    naming it, with the run's result; every rank then holds the server's weights and the
+    session goes on."""
+    try:
+        ps, Xd, Yd = _ps_session(slow_rank=None, nan_rows=150)
+        t0 = time.monotonic()
+        with pytest.raises(synk.WorkerError, match="NaN in this worker's rows") as err:
+            ps.run(Xd, Yd, max_seconds=5.0, batch_size=8, verbose=False)
+        assert time.monotonic() - t0 < 3
+        assert err.value.ranks == [2]
+        res = err.value.ps_result
+        assert res is ps.last_result and res.per_rank[2]["applied"] == 0 and ps.version == res.version
+        for p in ps.params:
+            for r in range(3):
+                assert np.array_equal(synk.get_value(r, p), p.get_value())
+        assert tu.is_open()
+        X, Y = data(400, seed=3)
+        res = ps.run(synk.data(X.astype(np.float32)), synk.data(Y), steps=10, batch_size=8, verbose=False)
+        assert res.applied == 10
     finally:
         synk.close()
     assert_clean()

@@ -697,7 +697,9 @@ class ParameterServer:
     once it has sent nothing for ``slow_after`` seconds); a dead one is reported and
     skipped, the run goes on with the others, and ``run`` then raises ``WorkerDied`` (the
     session is closed: it cannot run lockstep commands without that rank), with the run's
-    ``PSResult`` as its ``ps_result``.
+    ``PSResult`` as its ``ps_result``.  A worker whose computation raises ends the run at
+    once (most likely every worker would): ``run`` gives every rank the server's weights,
+    then raises ``WorkerError`` naming it (with ``ps_result``); the session goes on.
 
     The master only serves (it computes no gradients), so n ranks give n - 1 computing
     workers.  On one host master and workers exchange through shared memory; under
@@ -797,14 +799,21 @@ class ParameterServer:
                 except synk.RankLost as e:
                     e.ps_result = result
                     raise
-                for r, rep in replies.items():
-                    if rep is not None:
-                        result.workers[r] = rep
+                except synk.WorkerError as e:       # a worker raised: the run ends at once
+                    failed = e
+                else:
+                    failed = None
+                    for r, rep in replies.items():
+                        if rep is not None:
+                            result.workers[r] = rep
             finally:
                 ch.close()
         self.version = result.version
-        if sync:
+        if sync or failed is not None:      # (after a failure too: no rank keeps other weights)
             synk.broadcast(self.params)
+        if failed is not None:
+            failed.ps_result = result
+            raise failed
         return result
 
 
