@@ -276,7 +276,9 @@ def scenario_ps(n, what):
     bound, the counts add up, the others are not stalled, the bytes between the hosts are
     one message per gradient and per answer; Ctrl-C stops a run and runs go on.  ``kill`` /
     ``stop``: the last rank is killed / frozen during a run: the others go on, then ``run``
-    raises WorkerDied / WorkerStopped naming it and its host."""
+    raises WorkerDied / WorkerStopped naming it and its host.  ``raise``: the last rank's
+    gradient raises (NaN in its rows): the run ends at once with WorkerError naming it,
+    every rank holds the server's weights, the session goes on."""
     import threading
     import pytensor
     import pytensor.tensor as T
@@ -295,6 +297,9 @@ def scenario_ps(n, what):
     loss = -T.mean(T.special.log_softmax(T.tanh(x @ W1) @ W2, axis=-1)[T.arange(y.shape[0]), y])
     if what == "run":
         loss = exchange.straggle(loss, {slow_rank: SLOW})
+    if what == "raise":                              # NaN rows (the last rank's) make it raise
+        from pytensor.raise_op import Assert
+        loss = Assert("NaN in this worker's rows")(loss, T.all(T.isfinite(x)))
     ps = exchange.ParameterServer(loss, [W1, W2], [x, y], updates.sgd, learning_rate=0.2, max_staleness=3)
     synk.distribute()
     Xd, Yd = synk.data(X), synk.data(Y)
@@ -334,6 +339,24 @@ def scenario_ps(n, what):
         timer.join()
         res["interrupt_seconds"] = time.monotonic() - t0
         res["after_interrupt"] = ps.run(Xd, Yd, steps=5, batch_size=16, verbose=False).applied
+        synk.close()
+        _result(**res)
+        return
+    if what == "raise":
+        Xbad = X.copy()
+        Xbad[-100:] = np.nan
+        t0 = time.monotonic()
+        try:
+            ps.run(synk.data(Xbad), Yd, max_seconds=8, batch_size=16, verbose=False)
+            res["raised"] = None
+        except synk.WorkerError as e:
+            res.update(raised="WorkerError", ranks=e.ranks, message=str(e)[-600:],
+                       has_result=getattr(e, "ps_result", None) is ps.last_result)
+        res["seconds"] = time.monotonic() - t0
+        res["weights_equal"] = all(np.array_equal(synk.get_value(r, W), W.get_value())
+                                   for r in range(n) for W in (W1, W2))
+        res["open_after"] = synk.session_info() is not None
+        res["after"] = ps.run(Xd, Yd, steps=10, batch_size=16, verbose=False).applied
         synk.close()
         _result(**res)
         return

@@ -223,6 +223,17 @@ def test_hosts_parameter_server_lost_worker(hosts, what, exc):
     assert_hosts_clean(hosts)
 
 
+def test_hosts_parameter_server_raising_worker(hosts):
+    """A worker of the other host whose gradient raises ends the run at once: WorkerError
+    naming it, every rank on both hosts given the server's weights, the session goes on."""
+    p, info, res = run_hosts(hosts, "ps", "4", "raise")
+    assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
+    assert res["raised"] == "WorkerError" and res["ranks"] == [3], res
+    assert "NaN in this worker's rows" in res["message"] and res["has_result"]
+    assert res["seconds"] < 4.0 and res["weights_equal"] and res["open_after"] and res["after"] == 10, res
+    assert_hosts_clean(hosts)
+
+
 def test_hosts_uncaught_exception_ends_the_job(hosts):
     t0 = time.monotonic()
     p, info, res = run_hosts(hosts, "fault", "4", "raise", timeout=60)
