@@ -78,7 +78,7 @@ def scenario_features(n):
                             (x.sum(axis=1), "gather"), (T.mean(x), "avg"), (T.sum(w), None)],
                       bcast_inputs=[y], updates=[(w, w + x.sum(axis=0))])
     g = synk.function([], [(T.sum(S), "sum"), (S.shape[0], "sum")], sliceable_shareds=[S])
-    h = synk.function([], [(T.sum(v), "sum"), (T.sum(iv), "sum")])
+    synk.function([], [(T.sum(v), "sum"), (T.sum(iv), "sum")])     # registers v and iv
     synk.distribute()
     X = rng.integers(-5, 6, (23, 4)).astype(np.float64)
     Y = rng.integers(-3, 4, 4).astype(np.float64)

@@ -14,7 +14,6 @@ job ends instead of hanging), the master killed (every process on every host end
 host's /dev/shm keeps anything, MPICH's own ``mpich_shm_*`` files included)."""
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
