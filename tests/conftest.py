@@ -78,6 +78,9 @@ FUNCTIONAL_MODULES = ("test_function_outputs", "test_collectives", "test_batchin
 NOT_FUNCTIONAL = ("across_hosts",)
 
 JAX_SKIPS = {
+    "test_exchange.py::test_ps_failing_worker":
+        "its worker fails through an Assert op, which PyTensor's JAX backend drops (JAX tracing removes "
+        "assertions), so nothing raises there",
     "test_batching.py::test_batch_s_selecting_nothing":
         "PyTensor's JAX backend cannot take max() of an empty array (plain PyTensor JAX raises the same "
         "ValueError, numba returns -inf), so the all-empty call fails after the workers ran",
