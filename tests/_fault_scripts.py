@@ -394,7 +394,8 @@ class _Storm:
 
 
 def scenario_sigint_storm(target, n, seconds):
-    """Calls and collectives under SIGINTs at random instants until ``target`` interrupts
+    """Calls (one with an in-graph all_reduce) and collectives under SIGINTs at random
+    instants until ``target`` interrupts
     (or ``seconds``).  Every completed result is checked against a model of every rank's
     state; after every interrupted operation the ranks' state must be the state before or
     after it on every rank at once (all-or-nothing), and it becomes the model."""
@@ -402,6 +403,7 @@ def scenario_sigint_storm(target, n, seconds):
     import pytensor
     import pytensor.tensor as T
     import synkhronos as synk
+    from synkhronos import ops
     from synkhronos.shards import split
     import _fault_scripts as fs
     fs.quiet()
@@ -415,14 +417,20 @@ def scenario_sigint_storm(target, n, seconds):
     f = synk.function([x], (T.sum(x), "sum"))
     g = synk.function([x], [(T.sum(x), "sum"), (T.sum(w), None)], updates=[(w, w + T.sum(x))])
     h = synk.function([x], [(T.max(x), "max"), (x * 2, "gather"), (T.sum(v), "sum")])
+    u = pytensor.shared(np.zeros(2), name="u")      # in-graph all_reduce (no vote of its own)
+    tot = ops.all_reduce(T.sum(x) * T.ones(2), "sum")
+    q = synk.function([x], (tot, None), updates=[(u, u + tot)])
     synk.distribute()
+    q(np.arange(6.0))
+    synk.broadcast(u, np.zeros(2))
     for num_slices in (1, 2, 3):                  # compile every variant before the storm
         f(np.arange(6.0), num_slices=num_slices)
         g(np.zeros(6), num_slices=num_slices)
         h(np.arange(6.0), num_slices=num_slices)
     rng = np.random.default_rng(0)
     pick = random.Random(1)
-    model = {"w": [np.zeros(3) for _ in range(n)], "v": [np.zeros(6) for _ in range(n)]}
+    model = {"w": [np.zeros(3) for _ in range(n)], "v": [np.zeros(6) for _ in range(n)],
+             "u": [np.zeros(2) for _ in range(n)]}
     res = dict(completed=0, interrupted=0, checked=0, mismatches=[], inconsistent=[], ops={})
 
     def read(var):
@@ -451,7 +459,7 @@ def scenario_sigint_storm(target, n, seconds):
     storm = _Storm(max_delay=0.0003, seed=2)
     t_end = time.monotonic() + seconds
     while storm.raised < target and time.monotonic() < t_end:
-        op = pick.choice(["f", "g", "h", "all_reduce", "broadcast", "scatter", "gather", "set_get"])
+        op = pick.choice(["f", "g", "h", "all_reduce", "broadcast", "scatter", "gather", "set_get", "ingraph"])
         res["ops"][op] = res["ops"].get(op, 0) + 1
         k = int(rng.integers(0, 13))
         xs = rng.integers(-5, 6, k).astype(np.float64)
@@ -479,6 +487,19 @@ def scenario_sigint_storm(target, n, seconds):
                 want_sum = sum(model["v"][r].sum() * min(3, b[r + 1] - b[r]) for r in range(n))
                 if k and (out[0] != xs.max() or not np.array_equal(out[1], xs * 2) or out[2] != want_sum):
                     mismatch("h", out, (xs.max(), xs * 2, want_sum))
+        elif op == "ingraph":                     # every rank needs a row: n + k rows
+            xs = rng.integers(-5, 6, n + k).astype(np.float64)
+            after = [m + xs.sum() for m in model["u"]]
+            ok, out = storm.attempt(lambda: q(xs))
+            if ok:
+                if not np.array_equal(out, [xs.sum()] * 2):
+                    mismatch("ingraph", out, xs.sum())
+                model["u"] = after
+                got = read(u)
+                if not all(np.array_equal(a, c) for a, c in zip(got, after)):
+                    mismatch("ingraph update", got, after)
+            else:
+                reconcile("u", u, after)
         elif op == "all_reduce":
             after = [sum(model["v"])] * n
             ok, _ = storm.attempt(lambda: synk.all_reduce(v, op="sum"))
@@ -524,7 +545,7 @@ def scenario_sigint_storm(target, n, seconds):
     res["interrupts"] = storm.raised
     res["typical_op_us"] = storm.max_delay / 1.5 * 1e6
     res["sigints_sent"] = storm.sent
-    for name, var in (("w", w), ("v", v)):     # the end state agrees with the model
+    for name, var in (("w", w), ("v", v), ("u", u)):     # the end state agrees with the model
         got = read(var)
         if not all(np.array_equal(a, c) for a, c in zip(got, model[name])):
             mismatch(f"final {name}", got, model[name])
