@@ -15,6 +15,11 @@ if _Im2Col is not None:
     def _span(k, d):
         return d * (k - 1) + 1
 
+    def _window(tap, outs, st, dl):
+        """The index of kernel tap ``tap`` over every output window: (batch, *spatial, channels)."""
+        return ((slice(None),) + tuple(slice(t * d, t * d + s * (o - 1) + 1, s)
+                                       for t, o, s, d in zip(tap, outs, st, dl)) + (slice(None),))
+
     @_jax_funcify.register(_Im2Col)
     def _jax_im2col(op, node=None, **kwargs):
         ks, st, dl = op.kernel_size, op.stride, op.dilation
@@ -23,14 +28,7 @@ if _Im2Col is not None:
         def im2col(x):
             import jax.numpy as jnp
             outs = [(x.shape[1 + a] - _span(ks[a], dl[a])) // st[a] + 1 for a in range(n)]
-            taps = []
-            for tap in _np.ndindex(*ks):
-                idx = [slice(None)]
-                for a in range(n):
-                    start = tap[a] * dl[a]
-                    idx.append(slice(start, start + st[a] * (outs[a] - 1) + 1, st[a]))
-                idx.append(slice(None))
-                taps.append(x[tuple(idx)])                 # (batch, *windows, channels)
+            taps = [x[_window(tap, outs, st, dl)] for tap in _np.ndindex(*ks)]   # (batch, *windows, channels)
             out = jnp.stack(taps, axis=1 + n)              # (batch, *windows, taps, channels)
             return out.reshape(out.shape[:1 + n] + tuple(ks) + out.shape[-1:])
         return im2col
@@ -55,12 +53,7 @@ if _Im2Col is not None:
                 spatial.append(size)
             out = jnp.zeros((patches.shape[0], *spatial, patches.shape[-1]), patches.dtype)
             for tap in _np.ndindex(*ks):
-                idx = [slice(None)]
-                for a in range(n):
-                    start = tap[a] * dl[a]
-                    idx.append(slice(start, start + st[a] * (outs[a] - 1) + 1, st[a]))
-                idx.append(slice(None))
                 src = patches[(slice(None),) * (1 + n) + tap + (slice(None),)]
-                out = out.at[tuple(idx)].add(src)
+                out = out.at[_window(tap, outs, st, dl)].add(src)
             return out
         return col2im
