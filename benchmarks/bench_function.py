@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "demos"))
 RESULTS = os.path.join(HERE, "results")
 
 
@@ -35,18 +36,11 @@ def median_time(fn, reps, inner=1):
 def mlp_graph(n_in, hidden, n_out):
     import pytensor
     import pytensor.tensor as pt
-    rng = np.random.default_rng(0)
+    from mnist_mlp import mlp_params            # the demo's MLP (demos/mnist_mlp.py)
     x = pt.fmatrix("x")
     y = pt.ivector("y")
-    sizes = [n_in, hidden, hidden, n_out]
-    params, h = [], x
-    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
-        W = pytensor.shared((rng.standard_normal((a, b)) / np.sqrt(a)).astype("float32"), name=f"W{i}")
-        bb = pytensor.shared(np.zeros(b, "float32"), name=f"b{i}")
-        params += [W, bb]
-        h = h.dot(W) + bb
-        if i < len(sizes) - 2:
-            h = pt.maximum(h, 0)
+    params, forward = mlp_params([n_in, hidden, hidden, n_out], 0)
+    h = forward(x)
     p = pt.special.softmax(h, axis=1)
     loss = -pt.mean(pt.log(p[pt.arange(y.shape[0]), y] + 1e-7))
     grads = pytensor.grad(loss, params)

@@ -104,17 +104,12 @@ def c_overhead(a):
     f_plain = pytensor.function([x, y], z, mode="JAX")
     # MLP training step: SGD updates, loss out
     rng = np.random.default_rng(0)
-    sizes = [a["n_in"], a["hidden"], a["hidden"], 10]
+    sys.path.insert(0, os.path.join(ROOT, "demos"))
+    from mnist_mlp import mlp_params            # the demo's MLP (demos/mnist_mlp.py)
     xm = pt.fmatrix("xm")
     ym = pt.ivector("ym")
-    params, h = [], xm
-    for i, (p, q) in enumerate(zip(sizes[:-1], sizes[1:])):
-        W = pytensor.shared((rng.standard_normal((p, q)) / np.sqrt(p)).astype("float32"), name=f"W{i}")
-        b = pytensor.shared(np.zeros(q, "float32"), name=f"b{i}")
-        params += [W, b]
-        h = h.dot(W) + b
-        if i < len(sizes) - 2:
-            h = pt.maximum(h, 0)
+    params, forward = mlp_params([a["n_in"], a["hidden"], a["hidden"], 10], 0)
+    h = forward(xm)
     logp = pt.special.log_softmax(h, axis=1)
     loss = -pt.mean(pt.sum(logp * pt.eq(ym[:, None], pt.arange(10)[None, :]), axis=1))
     grads = pytensor.grad(loss, params)
