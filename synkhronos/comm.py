@@ -88,7 +88,7 @@ class CommStack:
         self._cache = {}
 
     def pick(self, verb, dtype=None, op=None, placement="host"):
-        k = (verb, None if dtype is None else str(dtype), op, placement)
+        k = (verb, dtype, op, placement)
         impl = self._cache.get(k)
         if impl is None:
             for c in self.impls:

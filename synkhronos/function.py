@@ -149,6 +149,7 @@ class Function:
         self._staging = [None] * len(self._all_inputs)
         self._idx_stage = None
         self._plan_cache = None
+        self._args_cache = None
         self._warm = set()
         self._types = [(np.dtype(v.type.dtype), v.type.ndim, getattr(v.type, "shape", None))
                        for v in self._all_inputs]
@@ -364,7 +365,10 @@ class Function:
         if self._collective:     # in-graph collectives meet the other ranks: all start together
             master_first = False
         what = f"call of function {self.name or replica.fid}"
-        args = (wire, then) if then else (wire,)
+        cached = self._args_cache          # the same arguments object while nothing changes:
+        if cached is None or cached[0] is not wire or cached[1] is not then:   # (control.send)
+            cached = self._args_cache = (wire, then, (wire, then) if then else (wire,))
+        args = cached[2]
         after = (lambda: follow_up(ctx, then)) if then else None     # they meet the other ranks
         needs = lambda: call_needs(plan, ns)  # noqa: E731
         if variant in self._warm:

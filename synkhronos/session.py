@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 from . import signals
@@ -75,6 +76,9 @@ class _Inflight:
 
 class Session:
     """State of one fork() … close() session in the master."""
+
+    CHECK_EVERY = 0.002
+    _next_check = 0.0
 
     def __init__(self, device, master_rank, profile_workers=False, debug=False, stall=DEFAULT_STALL,
                  timeout=None, spin=None):
@@ -170,7 +174,12 @@ class Session:
         return reply[1] if reply is not None and reply[0] != "ok" else None
 
     def _check(self):
-        self.launcher.check()
+        """Raise RankGone for a lost worker.  Between commands at most every ``CHECK_EVERY``
+        seconds (a loss meanwhile is found while the next command waits)."""
+        now = time.monotonic()
+        if now >= self._next_check:
+            self.launcher.check()
+            self._next_check = now + self.CHECK_EVERY
 
     def _lost(self, gone, what):
         host = gone.host

@@ -189,6 +189,11 @@ def S(request):
         total = ops.all_reduce(x.sum(axis=0), "sum")
         late_fail = synk.function([x], (T.sum(total), "sum"), updates=[(u, Assert("the last rank fails")(
             u + total, T.neq(ops.this_rank(), ops.n_ranks() - 1)))])
+        # one graph, every op, on values from a few bytes to far past the small-message size
+        sized = synk.function([x], [(ops.all_reduce(T.sum(x) * v.c, op), None) for op in RED_SERIAL],
+                              bcast_inputs=[v.c])
+        big_mismatch = synk.function([x], (T.sum(ops.all_reduce(T.repeat(x.sum(axis=1), 20000))), "sum"),
+                                     updates=[(u, u + 1)])
         info = synk.function([x], (T.stack([ops.this_rank(), ops.n_ranks()]), "gather"),
                              on_unused_input="ignore")
         perform = synk.function([x], (ops.all_reduce(x.sum(axis=0)), None), mode="FAST_COMPILE")
@@ -201,7 +206,7 @@ def S(request):
         data = dict(X=rng.standard_normal((N, D)), c=rng.standard_normal(D), A=rng.standard_normal((M, D)),
                     C=rng.standard_normal((N, D)), cnt=np.asarray(COUNTS[n], np.int64))
         yield types.SimpleNamespace(n=n, v=v, w=w, u=u, fs=fs, data=data, mismatch=mismatch, good=good,
-                                    late_fail=late_fail,
+                                    late_fail=late_fail, sized=sized, big_mismatch=big_mismatch,
                                     info=info, perform=perform, jax_error=jax_error, serial={})
     finally:
         synk.close()
@@ -264,12 +269,27 @@ class TestOps:
     def test_python_backend(self, S):
         np.testing.assert_allclose(S.perform(S.data["X"]), S.data["X"].sum(axis=0), rtol=1e-12)
 
-    def test_shape_mismatch_raises_everywhere_and_changes_nothing(self, S):
+    @pytest.mark.parametrize("size", [1, 1000, 9000, 100_000])
+    def test_small_and_large_values(self, S, size):
+        """Small values take a one-meeting path, large ones the chunked one: both give
+        numpy's reduction of the ranks' values (exactly, for 3 ranks or fewer)."""
+        X = S.data["X"]
+        c = np.random.default_rng(size).standard_normal(size)
+        b = split(N, S.n)
+        parts = [X[b[r]:b[r + 1]].sum() * c for r in range(S.n)]
+        np_red = {"sum": lambda p: sum(p[1:], p[0]), "avg": lambda p: sum(p[1:], p[0]) * (1.0 / len(p)),
+                  "prod": lambda p: np.prod(p, axis=0), "max": lambda p: np.max(p, axis=0),
+                  "min": lambda p: np.min(p, axis=0)}
+        for op, got in zip(RED_SERIAL, S.sized(X, c)):
+            np.testing.assert_allclose(got, np_red[op](parts), rtol=1e-14, atol=0, err_msg=f"{op} size {size}")
+
+    @pytest.mark.parametrize("which", ["small", "large"])
+    def test_shape_mismatch_raises_everywhere_and_changes_nothing(self, S, which):
         if S.n == 1:
             pytest.skip("one rank: no mismatch possible")
         before = [synk.get_value(r, S.u) for r in range(S.n)]
         with pytest.raises(ValueError, match="needs the same shape on every rank") as ei:
-            S.mismatch(S.data["X"])          # 7 rows: shards of unequal lengths
+            (S.mismatch if which == "small" else S.big_mismatch)(S.data["X"])   # shards of unequal lengths
         cause = ei.value.__cause__
         assert isinstance(cause, synk.WorkerError) and cause.ranks == list(range(1, S.n))
         assert all("needs the same shape on every rank" in t for t in cause.errors.values())

@@ -1106,7 +1106,7 @@ class _Agent:
             busy = True
         if self.inflight is not None and all(ctl._get(m, REPLY_SEQ) == self.inflight for m in self.members):
             seq = self.inflight
-            w.isend((seq, {self.grank(m): ctl.readers[m].read(seq) for m in self.members}), 0, REPLY)
+            w.isend((seq, {self.grank(m): ctl.reply_of(m, seq) for m in self.members}), 0, REPLY)
             self.inflight = None
             self.replied = seq
             busy = True

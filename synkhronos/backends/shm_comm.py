@@ -14,6 +14,8 @@ collective finds the value already in place; otherwise the value is first copied
 * ``broadcast``: every rank copies the root's slot into its own (large values: every rank
   copies one chunk of the root's slot into every slot).
 * ``gatherv`` / ``all_gatherv`` / ``reduce_scatter``: ranks read each other's slots.
+* small all-reduces (``_Eager``): one meeting instead of three; every rank reduces every
+  rank's values itself.
 
 Every verb has a fallible phase (allocating, attaching, checking shapes) that ends in a
 vote; nothing is written before every rank voted yes, so a failure on one rank leaves
@@ -33,6 +35,8 @@ _TMP_BLOCK_BYTES = 1 << 18          # widened (float32/float64) accumulation blo
 _BLOCK_BYTES = 1 << 17              # in-place reduction blocks (per source), cache-resident
 _SPLIT_BCAST_BYTES = 1 << 20        # broadcast of at least this much: every rank copies a chunk
 _ALIGN = 64                         # chunk boundaries on cache lines
+_EAGER_BYTES = 1 << 16              # eager area per rank (and parity): values
+_EAGER_WORDS = 256                  # eager area per rank (and parity): header (int64)
 
 
 class _Slots:
@@ -161,6 +165,113 @@ class _Slots:
         return arr
 
 
+class _Eager:
+    """Small collectives in one meeting.
+
+    Each rank writes its values, with their dtypes and shapes, into its row of an area
+    every rank maps; all ranks meet once; then each rank checks that the headers agree and
+    computes the whole result from every row itself (for a few KB, cheaper than two more
+    meetings).  Two areas serve alternately, chosen by the parity of the meeting's token:
+    a rank writes an area again only after passing a later meeting, which every rank
+    reaches only once done reading it, so no closing meeting ("fence") is needed."""
+
+    def __init__(self, prefix, n, create):
+        self.row = row = _EAGER_WORDS * 8 + _EAGER_BYTES
+        self.seg = shm.Segment(f"{prefix}_eager", 2 * n * row, create=create)
+        self.mm = self.seg.mm
+        self.data = [self.seg.array(np.uint8, (n, row), offset=p * n * row)[:, _EAGER_WORDS * 8:] for p in (0, 1)]
+        self.n = n
+        self.plans = {}     # (dtype, shape) per value -> (header bytes, [(offset, nbytes, dtype)], size)
+        self.rows = {}      # (parity, offset, nbytes, dtype) -> every rank's flat view
+
+    def _hdr(self, parity, rank):
+        """Where rank ``rank``'s header in area ``parity`` starts (a byte offset)."""
+        return (parity * self.n + rank) * self.row
+
+    def plan(self, arrs, scale=1):
+        """``(header, layout, size)`` for values ``arrs``, or None when they do not fit (their
+        size times ``scale``: a reduction costs every rank n-1 passes over them)."""
+        sig = tuple((a.dtype, a.shape) for a in arrs)
+        plan = self.plans.get(sig)
+        if plan is None:
+            words = [0, len(arrs)]
+            layout, off = [], 0
+            for dtype, shape in sig:
+                if len(shape) > MAXD:
+                    return None
+                nbytes = math.prod(shape) * dtype.itemsize
+                words += [dtype.num, len(shape), *shape]
+                layout.append((off, nbytes, dtype))
+                off += -(-nbytes // _ALIGN) * _ALIGN
+            if len(words) > _EAGER_WORDS or off > _EAGER_BYTES:
+                return None
+            words[0] = len(words)
+            plan = self.plans[sig] = (np.array(words, np.int64).tobytes(), layout, off)
+        return plan if plan[2] * scale <= _EAGER_BYTES else None
+
+    def views(self, parity, layout):
+        """Per value, every rank's flat view of it in area ``parity``."""
+        out = []
+        for off, nbytes, dtype in layout:
+            k = (parity, off, nbytes, dtype)
+            vs = self.rows.get(k)
+            if vs is None:
+                vs = self.rows[k] = [self.data[parity][r, off:off + nbytes].view(dtype) for r in range(self.n)]
+            out.append(vs)
+        return out
+
+    def post(self, parity, rank, arrs, plan):
+        """Write this rank's values and header; returns every rank's views of each value."""
+        header, layout, _ = plan
+        views = self.views(parity, layout)
+        for a, vs in zip(arrs, views):
+            np.copyto(vs[rank], a.reshape(-1))
+        at = self._hdr(parity, rank)
+        self.mm[at:at + len(header)] = header
+        return views
+
+    def agree(self, parity, plan):
+        """Whether every rank posted the same dtypes and shapes."""
+        header, mm, size = plan[0], self.mm, len(plan[0])
+        for r in range(self.n):
+            at = self._hdr(parity, r)
+            if mm[at:at + size] != header:
+                return False
+        return True
+
+    def shapes(self, parity, i):
+        """Every rank's shape of value ``i`` (for messages)."""
+        out = []
+        for r in range(self.n):
+            at = self._hdr(parity, r)
+            w = np.frombuffer(self.mm, np.int64, _EAGER_WORDS, at).tolist()
+            pos = 2
+            for _ in range(i):
+                pos += 2 + w[pos + 1]
+            out.append(tuple(w[pos + 2:pos + 2 + w[pos + 1]]))
+        return out
+
+
+_LEAN = {}      # (op, dtype) -> whether it accumulates in its own dtype (no float16 kernel)
+
+
+def _small_reduce(op, srcs, out):
+    """Reduce the flat ``srcs`` (rank order) into the new flat ``out``: the same values as
+    ``_reduce_chunk``, with less bookkeeping."""
+    dtype = out.dtype
+    lean = _LEAN.get((op, dtype))
+    if lean is None:
+        lean = _LEAN[(op, dtype)] = dtype != np.float16 and red.accumulator(op, dtype) == dtype
+    if not lean:
+        return _reduce_chunk(op, srcs, [out], 0, out.size, dtype)
+    fn = red.UFUNC[op]
+    fn(srcs[0], srcs[1], out=out)
+    for x in srcs[2:]:
+        fn(out, x, out=out)
+    if op == "avg":
+        red.finish(op, out, len(srcs), dtype)
+
+
 def _chunks(size, n, itemsize):
     """Chunk boundaries of ``size`` items over ``n`` ranks, on cache-line multiples."""
     q = max(1, _ALIGN // max(1, itemsize))
@@ -259,7 +370,7 @@ class ShmComm(Comm):
     def __init__(self, prefix, rank, n, sync, create):
         self.prefix, self.rank, self.n = prefix, rank, n
         self.sync, self.create = sync, create
-        self.slots = None
+        self.slots = self.eager = None
         self.names = {}
 
     def accepts(self, verb, dtype, op=None, placement="host"):
@@ -269,6 +380,7 @@ class ShmComm(Comm):
         self.names = dict(names or {})
         if self.slots is None:
             self.slots = _Slots(self.prefix, self.rank, self.n, max(64, n_keys), self.create)
+            self.eager = _Eager(self.prefix, self.n, self.create)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _commit(self, write):
@@ -331,6 +443,10 @@ class ShmComm(Comm):
         updates no rank then applies."""
         if self.n == 1:
             return [np.asarray(a) for _, a in items]
+        arrs = [np.asarray(a) for _, a in items]
+        plan = self.eager.plan(arrs, self.n - 1)
+        if plan is not None:
+            return self._eager_all_reduce(items, arrs, plan, op, scratch)
         staged, views = self._prepare_reduction(items, "all_reduce")
 
         def write():
@@ -346,6 +462,31 @@ class ShmComm(Comm):
         if fence:
             self.sync.barrier()
         return [vs[self.rank].reshape(shape) for (_, shape), vs in zip(staged, views)]
+
+    def _eager_all_reduce(self, items, arrs, plan, op, scratch):
+        """All-reduce of small values in one meeting (``_Eager``); new result arrays."""
+        eager, rank = self.eager, self.rank
+        out = [np.empty(a.shape, a.dtype) for a in arrs]     # (before the vote: nothing after it fails)
+        parity = self.sync.next_token() & 1
+        views = eager.post(parity, rank, arrs, plan)
+
+        def write():
+            if not eager.agree(parity, plan):     # every rank reads the same headers: all raise alike
+                for i, (key, _) in enumerate(items):
+                    shapes = eager.shapes(parity, i)
+                    if len(set(shapes)) > 1:
+                        of = f" of {self.names[key]}" if key in self.names else ""
+                        raise ValueError(f"all_reduce{of} needs the same shape on every rank, got {shapes} "
+                                         "(by rank)")
+                raise ValueError("all_reduce needs the same values (dtypes, shapes) on every rank")
+            for res, vs in zip(out, views):
+                _small_reduce(op, vs, res.reshape(-1))
+        if scratch:
+            self.sync.barrier(check_after=False)
+            write()
+        else:
+            self._commit(write)
+        return out
 
     def reduce(self, items, op, root, in_place=True, fence=True):
         """``in_place``: the root's result is its slot of the key (its value is replaced);

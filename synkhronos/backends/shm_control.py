@@ -28,7 +28,8 @@ from .. import signals
 
 CMD_SEQ, ABORT_SEQ, MASTER_PID = 0, 1, 2
 _BASE, _STRIDE = 8, 8              # per-rank fields, one cache line per rank
-GEN, REPLY_SEQ, ARRIVE, VOTE, HOST_ARRIVE = 0, 1, 2, 3, 4
+GEN, REPLY_SEQ, ARRIVE, VOTE, HOST_ARRIVE, REPLY_OK = 0, 1, 2, 3, 4, 5
+_OK = ("ok", None)                 # a reply told by REPLY_OK alone
 _STEP = 4096                       # barriers and votes per command at most
 _ALIGN = 64
 _HDR = struct.Struct("<qQQ")       # seq, pickle length, number of out-of-band buffers
@@ -53,6 +54,14 @@ class _Mailbox:
     def write(self, seq, obj):
         bufs = []
         header = pickle.dumps(obj, protocol=5, buffer_callback=bufs.append)
+        if not bufs:                     # (most messages: no arrays out of band)
+            end = _HDR.size + len(header)
+            if self.seg is None or self.seg.size < end:
+                self._grow(end)
+            mm = self.seg.mm
+            mm[_HDR.size:end] = header
+            _HDR.pack_into(mm, 0, seq, len(header), 0)
+            return
         raws = [b.raw() for b in bufs]
         off = _align(_HDR.size + _BUF.size * len(raws) + len(header))
         offsets = []
@@ -105,6 +114,8 @@ class _MailboxReader:
         if got != seq:
             raise RuntimeError(f"synkhronos: rank {self.rank}'s message is for command {got}, "
                                f"expected {seq}")
+        if not nbuf:
+            return pickle.loads(mm[_HDR.size:_HDR.size + hlen])
         pos = _HDR.size
         views = []
         mv = memoryview(mm)
@@ -161,6 +172,7 @@ class ShmControl(Control):
             self.ctrl[MASTER_PID] = os.getpid()     # lets a later run reap this one if it dies
             for r in range(n):
                 self._set(r, REPLY_SEQ, -1)         # the start-up reply is number 0
+                self._set(r, REPLY_OK, -1)
         opener = shm.new_semaphore if create else posix_ipc.Semaphore
         self.wake = [opener(f"{prefix}_w{r}") for r in range(n)]
         self.mailbox = _Mailbox(prefix, rank, self._field(rank, GEN))
@@ -169,6 +181,8 @@ class ShmControl(Control):
         self.step = 0
         self.n_buffers = 0
         self.views = {}          # handle -> Segment attached here
+        self._sent_args = (None, None)    # master: (arguments object, its pickle or None)
+        self._got_args = (None, None)     # worker: (pickle, arguments) of the last command
 
     def _field(self, rank, f):
         i = _BASE + _STRIDE * rank + f
@@ -208,6 +222,17 @@ class ShmControl(Control):
 
     # ---- master --------------------------------------------------------------------------
     def send(self, seq, message, needs=()):
+        # a command's arguments go as their own pickle, made once per arguments object: a
+        # call repeated with the same plan sends the same bytes, which workers recognise
+        # and do not unpickle again (arguments with arrays out of band go as they are)
+        name, args, forget, settle = message
+        if args is not self._sent_args[0]:
+            bufs = []
+            blob = pickle.dumps(args, protocol=5, buffer_callback=bufs.append)
+            self._sent_args = (args, None if bufs else blob)
+        blob = self._sent_args[1]
+        if blob is not None:
+            message = (name, None, forget, settle, blob)
         self.mailbox.write(seq, message)
         self.ctrl[CMD_SEQ] = seq            # the commit point: from here on workers see it
         self.begin(seq)
@@ -220,11 +245,17 @@ class ShmControl(Control):
         for r in ranks:
             self.waiter.wait(lambda: self._get(r, REPLY_SEQ) == seq, self._sleep,
                              owed=lambda: [x for x in ranks if self._get(x, REPLY_SEQ) != seq], what=what)
-            yield r, self.readers[r].read(seq)
+            yield r, self.reply_of(r, seq)
+
+    def reply_of(self, rank, seq):
+        """Rank ``rank``'s reply to command ``seq`` (call once it has replied)."""
+        if self._get(rank, REPLY_OK) == seq:
+            return _OK
+        return self.readers[rank].read(seq)
 
     def peek(self, seq, rank):
         """Rank ``rank``'s reply to command ``seq`` if it is there already, else None."""
-        return self.readers[rank].read(seq) if self._get(rank, REPLY_SEQ) == seq else None
+        return self.reply_of(rank, seq) if self._get(rank, REPLY_SEQ) == seq else None
 
     def alloc(self, nbytes, tag="d"):
         shm.check_space(nbytes)
@@ -238,10 +269,19 @@ class ShmControl(Control):
                          what="the next command")
         seq = int(self.ctrl[CMD_SEQ])
         self.begin(seq)
-        return seq, self.readers[self.master_rank].read(seq)
+        message = self.readers[self.master_rank].read(seq)
+        if len(message) == 5:                 # arguments pickled on their own (``send``)
+            name, _, forget, settle, blob = message
+            if blob != self._got_args[0]:
+                self._got_args = (blob, pickle.loads(blob))
+            message = (name, self._got_args[1], forget, settle)
+        return seq, message
 
     def reply(self, seq, obj):
-        self.mailbox.write(seq, obj)
+        if obj == _OK:                 # the commonest reply needs no message
+            self._set(self.rank, REPLY_OK, seq)
+        else:
+            self.mailbox.write(seq, obj)
         self._set(self.rank, REPLY_SEQ, seq)
         self._post([self.master_rank])
 
@@ -255,6 +295,10 @@ class ShmControl(Control):
 
     def aborted(self):
         return int(self.ctrl[ABORT_SEQ]) == self.seq
+
+    def next_token(self):
+        """The token of this rank's next barrier or vote (tokens only grow)."""
+        return self.seq * _STEP + self.step + 1
 
     def _token(self):
         self.step += 1
@@ -294,17 +338,24 @@ class ShmControl(Control):
         self._meet(HOST_ARRIVE, self.members)
 
     def vote(self, ok, on_commit=None):
-        """Every rank arrives with its vote; once all have arrived, each decides alike:
-        commit only if every vote is yes.  A rank that failed earlier and never arrives has
-        aborted the command, which ends the others' wait with "no".  Signals are held from
-        before a rank's own arrival to the end of the command, so no rank that voted yes can
-        be interrupted out of the commit that the others will make."""
+        """All-or-nothing: commit (run ``on_commit`` and return True) only if every rank
+        votes yes; every rank decides alike.  A rank that failed earlier and never arrives
+        has aborted the command, which ends the others' wait with "no".  A False vote ends
+        the command on every rank (callers raise), so a later vote's token means that this
+        one was decided "yes".  Signals are held from a rank's commit to the end of the
+        command, so no rank is interrupted out of a commit that the others make.
+
+        On one host the master decides (``_decided_vote``); a host of a multi-host session
+        votes symmetrically, its lead slot standing for the other hosts."""
         token = self._token()
-        signals.hold()                  # (may raise a pending interrupt: nothing decided yet)
         if len(self.sync_slots) == 1:
+            signals.hold()
             if ok and on_commit is not None:
                 on_commit()
             return bool(ok)
+        if self.lead is None:
+            return self._decided_vote(token, ok, on_commit)
+        signals.hold()                  # (may raise a pending interrupt: nothing decided yet)
         self._set(self.rank, VOTE, token if ok else -token)
         self._post(self._sync_others())
         if not ok:
@@ -330,6 +381,60 @@ class ShmControl(Control):
         if on_commit is not None:
             on_commit()
         return True
+
+    def _decided_vote(self, token, ok, on_commit):
+        """The vote of one host's ranks, decided by the master: workers post their votes
+        (``VOTE`` := +-token) and wait for the master's decision (its ``VOTE``: +token
+        commit, -token not, a later token: this one was "yes").  The master waits for the
+        workers' votes with signals not held (an interrupt then decides "no": nothing was
+        decided yet, so Ctrl-C reaches a master waiting for a frozen rank at once), then
+        holds them and decides."""
+        ctrl = self.ctrl
+        mine = _BASE + _STRIDE * self.rank + VOTE
+        if not self.is_master:
+            signals.hold()
+            ctrl[mine] = token if ok else -token
+            self._post([self.master_rank])
+            if not ok:
+                return False
+            boss = _BASE + _STRIDE * self.master_rank + VOTE
+            master = self.master_rank
+            self.waiter.wait(lambda: abs(ctrl[boss]) >= token or self.aborted(), self._sleep,
+                             owed=lambda: [] if abs(ctrl[boss]) >= token else [master], what="a vote")
+            decision = int(ctrl[boss])
+            if decision != token and abs(decision) <= token:
+                return False
+            if on_commit is not None:
+                on_commit()
+            return True
+        workers = [r for r in self.sync_slots if r != self.rank]
+        where = [(r, _BASE + _STRIDE * r + VOTE) for r in workers]
+        decided = False
+        try:
+            if ok:
+                def ready():
+                    for _, i in where:
+                        v = ctrl[i]
+                        if v == -token:
+                            return True             # a "no": decided
+                        if v < token:
+                            return self.aborted()
+                    return True
+
+                self.waiter.wait(ready, self._sleep, owed=lambda: [r for r, i in where if abs(ctrl[i]) < token],
+                                 what="a vote")
+                ok = all(ctrl[i] == token for _, i in where)
+            if ok:
+                signals.hold()
+            ctrl[mine] = token if ok else -token
+            decided = True
+        finally:
+            if not decided:                          # interrupted: "no"
+                ctrl[mine] = -token
+            self._post(workers)
+        if ok and on_commit is not None:
+            on_commit()
+        return ok
 
     def view(self, handle, dtype, shape):
         seg = self.views.get(handle)
