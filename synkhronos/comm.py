@@ -45,7 +45,8 @@ class Comm:
 
     def all_reduce(self, items, op, fence=True, scratch=False):
         """``scratch``: the results are intermediate values of a call (an in-graph op), so
-        an implementation may skip the all-or-nothing vote (a failed call applies nothing)."""
+        an implementation may skip the all-or-nothing vote (a failed call applies nothing);
+        they are then arrays of the caller's own (never buffers the comm reuses)."""
         raise NotImplementedError
 
     def reduce(self, items, op, root, outs=None, fence=True):

@@ -202,8 +202,10 @@ class Control:
         rank had arrived, unless ``check_after`` is False)."""
         raise NotImplementedError
 
-    def vote(self, ok):
-        """All-or-nothing: returns True (commit) only if every rank voted ``ok``."""
+    def vote(self, ok, on_commit=None, meanwhile=None):
+        """All-or-nothing: returns True (commit) only if every rank voted ``ok``; then runs
+        ``on_commit`` (on every rank alike).  ``meanwhile``: work a rank may do while the
+        decision is awaited (used only if it commits)."""
         raise NotImplementedError
 
     def view(self, handle, dtype, shape):

@@ -169,6 +169,12 @@ class Function:
     # ---- validate --------------------------------------------------------------------------
     def _order(self, args, kwargs):
         n = len(self._all_inputs)
+        if not kwargs and len(args) == n:
+            for a in args:
+                if a is None:
+                    break
+            else:
+                return args
         vals = list(args) + [None] * (n - len(args))
         if len(args) > n:
             raise TypeError(f"this function takes {n} data inputs ({len(self._inputs)} scattered + "
@@ -256,14 +262,18 @@ class Function:
 
     def _validate(self, args, kwargs, output_subset, batch, batch_s, num_slices):
         values = []
+        ns = len(self._inputs)
         for i, v in enumerate(self._order(args, kwargs)):
             if isinstance(v, Data):
                 self._check_data(i, v)
             else:
                 v = self._convert(i, v)
             self._check_static(i, v.shape)
+            if i < ns and v.ndim == 0:
+                raise ValueError("scattered inputs must have at least 1 dimension (axis 0 is split)")
             values.append(v)
-        ns = len(self._inputs)
+        if type(num_slices) is int and num_slices == 1 and output_subset is None and batch is None and batch_s is None:
+            return values, 1, None, None, None        # (the commonest call: nothing more to check)
         if isinstance(num_slices, bool) or not isinstance(num_slices, (int, np.integer)) or num_slices < 1:
             raise ValueError(f"num_slices must be a positive integer, got {num_slices!r}")
         num_slices = int(num_slices)
@@ -278,8 +288,6 @@ class Function:
         if batch_s is not None and not self._sliceable:
             raise BadArgument("batch_s given but this function has no sliceable_shareds")
         sel_s = shards.normalize_batch_s(batch_s, self._rt.n)
-        if any(v.ndim == 0 for v in values[:ns]):
-            raise ValueError("scattered inputs must have at least 1 dimension (axis 0 is split)")
         return values, num_slices, wanted, sel, sel_s
 
     def _plan(self, datas, sel, sel_s, num_slices, wanted):

@@ -15,7 +15,7 @@ MAXD = 16
 def value(ctx, var):
     """A shared variable's value on this rank, on the host, in the variable's dtype."""
     live = ctx.device.to_host(ctx.device.get(var))
-    dtype = np.dtype(var.type.dtype)
+    dtype = getattr(var.type, "numpy_dtype", None) or np.dtype(var.type.dtype)
     if live.dtype != dtype:
         tmp = np.empty(live.shape, dtype)
         np.copyto(tmp, live, casting="same_kind")
@@ -31,6 +31,8 @@ def _items(ctx, vids):
 
 
 def _impl(ctx, verb, vids, op=None):
+    if len(vids) == 1:
+        return ctx.comm.pick(verb, ctx.shareds[vids[0]].type.dtype, op, ctx.device.placement)
     impls = {ctx.comm.pick(verb, ctx.shareds[v].type.dtype, op, ctx.device.placement) for v in vids}
     if len(impls) > 1:
         raise TypeError(f"{verb} of variables of different dtypes served by different implementations; "

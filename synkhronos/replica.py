@@ -148,8 +148,8 @@ def follow_up(ctx, steps):
     ``("run", function id)`` of a function without inputs, and ``("ext", name, *args)``:
     the function an extension registered as command ``name`` (``commands.handler``),
     called with ``(ctx, *args)``.  A training step is then one round trip: gradient,
-    all-reduce, update rule.  The all-reduce's vote makes the step
-    all-or-nothing up to there; updates stay pending until the master commits."""
+    all-reduce, update rule.  Updates stay pending until the master commits (every rank
+    succeeded), so the step is all-or-nothing."""
     for step in steps:
         if step[0] == "all_reduce":
             _, vid, op = step
@@ -158,7 +158,9 @@ def follow_up(ctx, steps):
             comm = ctx.comm.pick("all_reduce", var.type.dtype, op, ctx.device.placement)
             if ctx.device.placement == "host":
                 value = np.asarray(value)
-            [res] = comm.all_reduce([(vid, value)], op, fence=True)   # read right after: fence
+            # scratch: no vote of its own (nothing of the step applies before the master's
+            # commit, once every rank succeeded), so a master waiting here stays interruptible
+            [res] = comm.all_reduce([(vid, value)], op, fence=True, scratch=True)
             ctx.device.set(var, res)            # the next step reads it
             ctx.hold(ctx.seq, {var: res})
         elif step[0] == "run":

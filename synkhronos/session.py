@@ -104,6 +104,7 @@ class Session:
         self.commands_sent = {}        # command name -> how many were sent
         self.n_data = 0                # Data objects made (their IDs)
         self.scratch = {}              # reusable staging Data of the collectives
+        self.command_args = {}         # the collectives' command arguments, made once
         self.lock = threading.RLock()  # one command at a time, whichever thread calls
         self._depth, self._owner = 0, None
         self.saved_signals = {}

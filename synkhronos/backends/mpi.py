@@ -395,8 +395,8 @@ class HierControl(Control):
     def host_barrier(self):
         self.local.host_barrier()
 
-    def vote(self, ok, on_commit=None):
-        return self.local.vote(ok, on_commit)
+    def vote(self, ok, on_commit=None, meanwhile=None):
+        return self.local.vote(ok, on_commit, meanwhile)
 
     def view(self, handle, dtype, shape):
         return self.local.view(handle, dtype, shape)
@@ -628,7 +628,8 @@ class HierComm(Comm):
 
     # ---- verbs -----------------------------------------------------------------------------
     def all_reduce(self, items, op, fence=True, scratch=False):
-        return self._reduction(items, op, None, True)
+        res = self._reduction(items, op, None, True)
+        return [np.array(r, copy=True) for r in res] if scratch else res
 
     def reduce(self, items, op, root, in_place=True, fence=True):
         res = self._reduction(items, op, root, in_place)

@@ -21,6 +21,7 @@ Every verb has a fallible phase (allocating, attaching, checking shapes) that en
 vote; nothing is written before every rank voted yes, so a failure on one rank leaves
 every rank's values as they were."""
 import math
+import struct
 
 import numpy as np
 
@@ -36,7 +37,8 @@ _BLOCK_BYTES = 1 << 17              # in-place reduction blocks (per source), ca
 _SPLIT_BCAST_BYTES = 1 << 20        # broadcast of at least this much: every rank copies a chunk
 _ALIGN = 64                         # chunk boundaries on cache lines
 _EAGER_BYTES = 1 << 16              # eager area per rank (and parity): values
-_EAGER_WORDS = 256                  # eager area per rank (and parity): header (int64)
+_EAGER_WORDS = 256                  # eager area per rank (and parity): token and header (int64)
+_TOKEN = struct.Struct("<q")
 
 
 class _Slots:
@@ -168,10 +170,11 @@ class _Slots:
 class _Eager:
     """Small collectives in one meeting.
 
-    Each rank writes its values, with their dtypes and shapes, into its row of an area
-    every rank maps; all ranks meet once; then each rank checks that the headers agree and
-    computes the whole result from every row itself (for a few KB, cheaper than two more
-    meetings).  Two areas serve alternately, chosen by the parity of the meeting's token:
+    Each rank writes its values, then their dtypes and shapes (the header), then the
+    meeting's token into its row of an area every rank maps; all ranks meet once; then each
+    rank checks that the headers agree and computes the whole result from every row itself
+    (for a few KB, cheaper than two more meetings).  Rows whose token is the meeting's are
+    complete: a rank may compute before the meeting has decided.  Two areas serve alternately, chosen by the parity of the meeting's token:
     a rank writes an area again only after passing a later meeting, which every rank
     reaches only once done reading it, so no closing meeting ("fence") is needed."""
 
@@ -191,7 +194,7 @@ class _Eager:
     def plan(self, arrs, scale=1):
         """``(header, layout, size)`` for values ``arrs``, or None when they do not fit (their
         size times ``scale``: a reduction costs every rank n-1 passes over them)."""
-        sig = tuple((a.dtype, a.shape) for a in arrs)
+        sig = ((arrs[0].dtype, arrs[0].shape),) if len(arrs) == 1 else tuple((a.dtype, a.shape) for a in arrs)
         plan = self.plans.get(sig)
         if plan is None:
             words = [0, len(arrs)]
@@ -203,7 +206,7 @@ class _Eager:
                 words += [dtype.num, len(shape), *shape]
                 layout.append((off, nbytes, dtype))
                 off += -(-nbytes // _ALIGN) * _ALIGN
-            if len(words) > _EAGER_WORDS or off > _EAGER_BYTES:
+            if len(words) >= _EAGER_WORDS or off > _EAGER_BYTES:
                 return None
             words[0] = len(words)
             plan = self.plans[sig] = (np.array(words, np.int64).tobytes(), layout, off)
@@ -220,21 +223,32 @@ class _Eager:
             out.append(vs)
         return out
 
-    def post(self, parity, rank, arrs, plan):
-        """Write this rank's values and header; returns every rank's views of each value."""
+    def post(self, parity, rank, arrs, plan, token):
+        """Write this rank's values, header and token; returns every rank's views of each
+        value."""
         header, layout, _ = plan
         views = self.views(parity, layout)
         for a, vs in zip(arrs, views):
             np.copyto(vs[rank], a.reshape(-1))
         at = self._hdr(parity, rank)
-        self.mm[at:at + len(header)] = header
+        mm = self.mm
+        mm[at + 8:at + 8 + len(header)] = header
+        _TOKEN.pack_into(mm, at, token)        # last: the row is complete
         return views
+
+    def posted(self, parity, token):
+        """Whether every rank's row in area ``parity`` is complete for meeting ``token``."""
+        mm = self.mm
+        for r in range(self.n):
+            if _TOKEN.unpack_from(mm, self._hdr(parity, r))[0] != token:
+                return False
+        return True
 
     def agree(self, parity, plan):
         """Whether every rank posted the same dtypes and shapes."""
         header, mm, size = plan[0], self.mm, len(plan[0])
         for r in range(self.n):
-            at = self._hdr(parity, r)
+            at = self._hdr(parity, r) + 8
             if mm[at:at + size] != header:
                 return False
         return True
@@ -243,8 +257,8 @@ class _Eager:
         """Every rank's shape of value ``i`` (for messages)."""
         out = []
         for r in range(self.n):
-            at = self._hdr(parity, r)
-            w = np.frombuffer(self.mm, np.int64, _EAGER_WORDS, at).tolist()
+            at = self._hdr(parity, r) + 8
+            w = np.frombuffer(self.mm, np.int64, _EAGER_WORDS - 1, at).tolist()
             pos = 2
             for _ in range(i):
                 pos += 2 + w[pos + 1]
@@ -461,32 +475,50 @@ class ShmComm(Comm):
             self._commit(write)
         if fence:
             self.sync.barrier()
-        return [vs[self.rank].reshape(shape) for (_, shape), vs in zip(staged, views)]
+        res = [vs[self.rank].reshape(shape) for (_, shape), vs in zip(staged, views)]
+        return [np.array(r, copy=True) for r in res] if scratch else res
 
     def _eager_all_reduce(self, items, arrs, plan, op, scratch):
         """All-reduce of small values in one meeting (``_Eager``); new result arrays."""
         eager, rank = self.eager, self.rank
         out = [np.empty(a.shape, a.dtype) for a in arrs]     # (before the vote: nothing after it fails)
-        parity = self.sync.next_token() & 1
-        views = eager.post(parity, rank, arrs, plan)
-
-        def write():
-            if not eager.agree(parity, plan):     # every rank reads the same headers: all raise alike
-                for i, (key, _) in enumerate(items):
-                    shapes = eager.shapes(parity, i)
-                    if len(set(shapes)) > 1:
-                        of = f" of {self.names[key]}" if key in self.names else ""
-                        raise ValueError(f"all_reduce{of} needs the same shape on every rank, got {shapes} "
-                                         "(by rank)")
-                raise ValueError("all_reduce needs the same values (dtypes, shapes) on every rank")
-            for res, vs in zip(out, views):
-                _small_reduce(op, vs, res.reshape(-1))
+        token = self.sync.next_token()
+        parity = token & 1
+        views = eager.post(parity, rank, arrs, plan, token)
         if scratch:
             self.sync.barrier(check_after=False)
-            write()
-        else:
-            self._commit(write)
+            self._eager_check(parity, plan, items)
+            for res, vs in zip(out, views):
+                _small_reduce(op, vs, res.reshape(-1))
+            return out
+        done = []
+
+        def write():
+            if done:
+                return
+            self._eager_check(parity, plan, items)    # every rank reads the same headers: all raise alike
+            for res, vs in zip(out, views):
+                _small_reduce(op, vs, res.reshape(-1))
+            done.append(True)
+
+        def meanwhile():                  # while the vote is decided: every row is complete
+            if eager.posted(parity, token) and eager.agree(parity, plan):
+                write()                   # (only kept if the vote commits)
+        if not self.sync.vote(True, on_commit=write, meanwhile=meanwhile):
+            raise Aborted("another rank failed during this collective")
         return out
+
+    def _eager_check(self, parity, plan, items):
+        """ValueError (on every rank alike) unless every rank posted the same shapes."""
+        eager = self.eager
+        if eager.agree(parity, plan):
+            return
+        for i, (key, _) in enumerate(items):
+            shapes = eager.shapes(parity, i)
+            if len(set(shapes)) > 1:
+                of = f" of {self.names[key]}" if key in self.names else ""
+                raise ValueError(f"all_reduce{of} needs the same shape on every rank, got {shapes} (by rank)")
+        raise ValueError("all_reduce needs the same values (dtypes, shapes) on every rank")
 
     def reduce(self, items, op, root, in_place=True, fence=True):
         """``in_place``: the root's result is its slot of the key (its value is replaced);

@@ -183,6 +183,7 @@ class ShmControl(Control):
         self.views = {}          # handle -> Segment attached here
         self._sent_args = (None, None)    # master: (arguments object, its pickle or None)
         self._got_args = (None, None)     # worker: (pickle, arguments) of the last command
+        self._meetings = {}
 
     def _field(self, rank, f):
         i = _BASE + _STRIDE * rank + f
@@ -311,9 +312,9 @@ class ShmControl(Control):
         if len(slots) == 1:
             return
         self._set(self.rank, field, token)
-        self._post([r for r in slots if r != self.rank])
+        where, others = self._meeting(field, slots)
+        self._post(others)
         ctrl = self.ctrl
-        where = [(r, _BASE + _STRIDE * r + field) for r in slots]
 
         def late():
             return [r for r, i in where if ctrl[i] < token]
@@ -328,6 +329,14 @@ class ShmControl(Control):
 
         self.waiter.wait(ready, self._sleep, owed=late, what="a barrier")
 
+    def _meeting(self, field, slots):
+        """``([(slot, index of its field)], the other slots)`` of a meeting (made once)."""
+        got = self._meetings.get((field, slots))
+        if got is None:
+            got = self._meetings[(field, slots)] = ([(r, _BASE + _STRIDE * r + field) for r in slots],
+                                                    [r for r in slots if r != self.rank])
+        return got
+
     def barrier(self, check_after=True):
         self._meet(ARRIVE, self.sync_slots)
         if check_after and len(self.sync_slots) > 1 and self.aborted():
@@ -337,7 +346,7 @@ class ShmControl(Control):
         """The ranks of this host meet (not the rest of a multi-host session)."""
         self._meet(HOST_ARRIVE, self.members)
 
-    def vote(self, ok, on_commit=None):
+    def vote(self, ok, on_commit=None, meanwhile=None):
         """All-or-nothing: commit (run ``on_commit`` and return True) only if every rank
         votes yes; every rank decides alike.  A rank that failed earlier and never arrives
         has aborted the command, which ends the others' wait with "no".  A False vote ends
@@ -346,7 +355,9 @@ class ShmControl(Control):
         command, so no rank is interrupted out of a commit that the others make.
 
         On one host the master decides (``_decided_vote``); a host of a multi-host session
-        votes symmetrically, its lead slot standing for the other hosts."""
+        votes symmetrically, its lead slot standing for the other hosts.  ``meanwhile`` (a
+        worker's, on one host): run while the decision is awaited (work that is used only if
+        it commits)."""
         token = self._token()
         if len(self.sync_slots) == 1:
             signals.hold()
@@ -354,7 +365,7 @@ class ShmControl(Control):
                 on_commit()
             return bool(ok)
         if self.lead is None:
-            return self._decided_vote(token, ok, on_commit)
+            return self._decided_vote(token, ok, on_commit, meanwhile)
         signals.hold()                  # (may raise a pending interrupt: nothing decided yet)
         self._set(self.rank, VOTE, token if ok else -token)
         self._post(self._sync_others())
@@ -382,7 +393,7 @@ class ShmControl(Control):
             on_commit()
         return True
 
-    def _decided_vote(self, token, ok, on_commit):
+    def _decided_vote(self, token, ok, on_commit, meanwhile):
         """The vote of one host's ranks, decided by the master: workers post their votes
         (``VOTE`` := +-token) and wait for the master's decision (its ``VOTE``: +token
         commit, -token not, a later token: this one was "yes").  The master waits for the
@@ -399,6 +410,8 @@ class ShmControl(Control):
                 return False
             boss = _BASE + _STRIDE * self.master_rank + VOTE
             master = self.master_rank
+            if meanwhile is not None:
+                meanwhile()
             self.waiter.wait(lambda: abs(ctrl[boss]) >= token or self.aborted(), self._sleep,
                              owed=lambda: [] if abs(ctrl[boss]) >= token else [master], what="a vote")
             decision = int(ctrl[boss])
