@@ -43,10 +43,11 @@ class Comm:
         """Called on every rank once the keys are known (at distribute); ``names``: key ->
         what to call it in messages."""
 
-    def all_reduce(self, items, op, fence=True, scratch=False):
-        """``scratch``: the results are intermediate values of a call (an in-graph op), so
-        an implementation may skip the all-or-nothing vote (a failed call applies nothing);
-        they are then arrays of the caller's own (never buffers the comm reuses)."""
+    def all_reduce(self, items, op, fence=True, scratch=False, owned=False):
+        """``scratch``: the results are intermediate values of a call (an in-graph op, a
+        training step's gradient), so an implementation may skip the all-or-nothing vote (a
+        failed call applies nothing).  ``owned``: the results must be arrays of the
+        caller's own, never buffers the comm reuses (an in-graph op's values)."""
         raise NotImplementedError
 
     def reduce(self, items, op, root, outs=None, fence=True):

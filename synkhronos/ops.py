@@ -163,8 +163,8 @@ class AllReduce(CollectiveOp):
         if r is None or r.n == 1:
             return x
         impl = r.comm.pick("all_reduce", x.dtype, self.op, r.device.placement)
-        key = len(r.shareds) + _KEY["all_reduce"]              # (scratch: the result is ours)
-        return impl.all_reduce([(key, x)], self.op, fence=True, scratch=True)[0]
+        key = len(r.shareds) + _KEY["all_reduce"]
+        return impl.all_reduce([(key, x)], self.op, fence=True, scratch=True, owned=True)[0]
 
     def infer_shape(self, *args):      # (node, shapes); PyTensor < 3.x: (fgraph, node, shapes)
         return [args[-1][0]]

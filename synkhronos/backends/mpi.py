@@ -627,9 +627,9 @@ class HierComm(Comm):
         return [[tuple(s) for h in every for s in h[i]] for i in range(len(items_shapes))]
 
     # ---- verbs -----------------------------------------------------------------------------
-    def all_reduce(self, items, op, fence=True, scratch=False):
+    def all_reduce(self, items, op, fence=True, scratch=False, owned=False):
         res = self._reduction(items, op, None, True)
-        return [np.array(r, copy=True) for r in res] if scratch else res
+        return [np.array(r, copy=True) for r in res] if owned else res
 
     def reduce(self, items, op, root, in_place=True, fence=True):
         res = self._reduction(items, op, root, in_place)

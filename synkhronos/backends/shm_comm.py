@@ -451,7 +451,7 @@ class ShmComm(Comm):
         return srcs
 
     # ---- verbs ---------------------------------------------------------------------------
-    def all_reduce(self, items, op, fence=True, scratch=False):
+    def all_reduce(self, items, op, fence=True, scratch=False, owned=False):
         """``scratch`` (an in-graph op: the results are a call's intermediate values, never
         a variable's): no vote before the write; a rank that fails aborts the call, whose
         updates no rank then applies."""
@@ -476,7 +476,7 @@ class ShmComm(Comm):
         if fence:
             self.sync.barrier()
         res = [vs[self.rank].reshape(shape) for (_, shape), vs in zip(staged, views)]
-        return [np.array(r, copy=True) for r in res] if scratch else res
+        return [np.array(r, copy=True) for r in res] if owned else res
 
     def _eager_all_reduce(self, items, arrs, plan, op, scratch):
         """All-reduce of small values in one meeting (``_Eager``); new result arrays."""

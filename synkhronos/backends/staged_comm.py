@@ -52,7 +52,7 @@ class StagedComm(Comm):
         return [self.device.to_device(a) for a in arrs]
 
     # ---- verbs -------------------------------------------------------------------------------
-    def all_reduce(self, items, op, fence=True, scratch=False):
+    def all_reduce(self, items, op, fence=True, scratch=False, owned=False):   # (device arrays: new)
         if self.n == 1:
             return [a for _, a in items]     # device arrays are immutable: the value itself
         return self._d(self.host.all_reduce([(k, self._h(a)) for k, a in items], op, fence=True,

@@ -132,7 +132,7 @@ class XlaComm(Comm):
                 raise ValueError(f"{what}{of} needs the same shape on every rank, got {shapes} (by rank)")
 
     # ---- verbs ---------------------------------------------------------------------------------
-    def all_reduce(self, items, op, fence=True, scratch=False):
+    def all_reduce(self, items, op, fence=True, scratch=False, owned=False):   # (device arrays: new)
         if self.n == 1:
             return [a for _, a in items]
         keys = [k for k, _ in items]
