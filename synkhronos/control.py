@@ -55,6 +55,7 @@ class Waiter:
     TICK = 0.02          # inside a command
     TICK_IDLE = 0.5      # a worker waiting for the next command
     SPIN = 200e-6        # poll this long before sleeping (``fork(spin=...)``, env SYNK_SPIN)
+    HOT = 20e-6          # of which the first part without yielding the core
 
     def __init__(self, check, stall=DEFAULT_STALL, timeout=None, stream=None, spin=None):
         self.check = check
@@ -75,7 +76,11 @@ class Waiter:
                 return inner()
         if ready():
             return
-        end = time.perf_counter() + self.spin
+        now = time.perf_counter()
+        hot, end = now + min(self.spin, self.HOT), now + self.spin
+        while time.perf_counter() < hot:     # the answer is usually a few µs away: just look
+            if ready():
+                return
         while time.perf_counter() < end:
             if ready():
                 return

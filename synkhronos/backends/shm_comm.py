@@ -167,6 +167,16 @@ class _Slots:
         return arr
 
 
+class _EagerPlan:
+    """How a list of values lies in the eager area: ``header`` (bytes every rank writes),
+    ``size`` (bytes of values) and ``views[parity][value][rank]`` (flat views)."""
+
+    __slots__ = ("header", "size", "views")
+
+    def __init__(self, header, size, views):
+        self.header, self.size, self.views = header, size, views
+
+
 class _Eager:
     """Small collectives in one meeting.
 
@@ -184,16 +194,15 @@ class _Eager:
         self.mm = self.seg.mm
         self.data = [self.seg.array(np.uint8, (n, row), offset=p * n * row)[:, _EAGER_WORDS * 8:] for p in (0, 1)]
         self.n = n
-        self.plans = {}     # (dtype, shape) per value -> (header bytes, [(offset, nbytes, dtype)], size)
-        self.rows = {}      # (parity, offset, nbytes, dtype) -> every rank's flat view
+        self.plans = {}     # (dtype, shape) per value -> _EagerPlan
 
     def _hdr(self, parity, rank):
         """Where rank ``rank``'s header in area ``parity`` starts (a byte offset)."""
         return (parity * self.n + rank) * self.row
 
     def plan(self, arrs, scale=1):
-        """``(header, layout, size)`` for values ``arrs``, or None when they do not fit (their
-        size times ``scale``: a reduction costs every rank n-1 passes over them)."""
+        """The ``_EagerPlan`` of values ``arrs``, or None when they do not fit (their size
+        times ``scale``: a reduction costs every rank n-1 passes over them)."""
         sig = ((arrs[0].dtype, arrs[0].shape),) if len(arrs) == 1 else tuple((a.dtype, a.shape) for a in arrs)
         plan = self.plans.get(sig)
         if plan is None:
@@ -209,28 +218,19 @@ class _Eager:
             if len(words) >= _EAGER_WORDS or off > _EAGER_BYTES:
                 return None
             words[0] = len(words)
-            plan = self.plans[sig] = (np.array(words, np.int64).tobytes(), layout, off)
-        return plan if plan[2] * scale <= _EAGER_BYTES else None
-
-    def views(self, parity, layout):
-        """Per value, every rank's flat view of it in area ``parity``."""
-        out = []
-        for off, nbytes, dtype in layout:
-            k = (parity, off, nbytes, dtype)
-            vs = self.rows.get(k)
-            if vs is None:
-                vs = self.rows[k] = [self.data[parity][r, off:off + nbytes].view(dtype) for r in range(self.n)]
-            out.append(vs)
-        return out
+            views = [[[self.data[p][r, o:o + nb].view(dt) for r in range(self.n)] for o, nb, dt in layout]
+                     for p in (0, 1)]
+            plan = self.plans[sig] = _EagerPlan(np.array(words, np.int64).tobytes(), off, views)
+        return plan if plan.size * scale <= _EAGER_BYTES else None
 
     def post(self, parity, rank, arrs, plan, token):
         """Write this rank's values, header and token; returns every rank's views of each
-        value."""
-        header, layout, _ = plan
-        views = self.views(parity, layout)
+        value (per value, a list by rank)."""
+        views = plan.views[parity]
         for a, vs in zip(arrs, views):
             np.copyto(vs[rank], a.reshape(-1))
         at = self._hdr(parity, rank)
+        header = plan.header
         mm = self.mm
         mm[at + 8:at + 8 + len(header)] = header
         _TOKEN.pack_into(mm, at, token)        # last: the row is complete
@@ -246,7 +246,8 @@ class _Eager:
 
     def agree(self, parity, plan):
         """Whether every rank posted the same dtypes and shapes."""
-        header, mm, size = plan[0], self.mm, len(plan[0])
+        header, mm = plan.header, self.mm
+        size = len(header)
         for r in range(self.n):
             at = self._hdr(parity, r) + 8
             if mm[at:at + size] != header:

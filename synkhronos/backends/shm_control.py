@@ -167,7 +167,9 @@ class ShmControl(Control):
         self.mirror = mirror
         self.workers = tuple(r for r in self.members if r != master_rank)
         self.ctrl_seg = shm.Segment(prefix + "_ctrl", ctrl_size(n) * 8, create=create)
-        self.ctrl = self.ctrl_seg.array(np.int64, (ctrl_size(n),))
+        # a memoryview of int64: its items are Python ints (half the cost of numpy scalars
+        # in the polling loops)
+        self.ctrl = memoryview(self.ctrl_seg.mm).cast("B")[:ctrl_size(n) * 8].cast("q")
         if create:
             self.ctrl[MASTER_PID] = os.getpid()     # lets a later run reap this one if it dies
             for r in range(n):
