@@ -244,6 +244,10 @@ class _Eager:
                 return False
         return True
 
+    def late(self, parity, token):
+        """The ranks whose rows are not complete for meeting ``token``."""
+        return [r for r in range(self.n) if _TOKEN.unpack_from(self.mm, self._hdr(parity, r))[0] != token]
+
     def agree(self, parity, plan):
         """Whether every rank posted the same dtypes and shapes."""
         header, mm = plan.header, self.mm
@@ -486,8 +490,8 @@ class ShmComm(Comm):
         token = self.sync.next_token()
         parity = token & 1
         views = eager.post(parity, rank, arrs, plan, token)
-        if scratch:
-            self.sync.barrier(check_after=False)
+        if scratch:                        # the rows' tokens are the arrivals
+            self.sync.meet(lambda: eager.posted(parity, token), lambda: eager.late(parity, token))
             self._eager_check(parity, plan, items)
             for res, vs in zip(out, views):
                 _small_reduce(op, vs, res.reshape(-1))

@@ -339,6 +339,22 @@ class ShmControl(Control):
                                                     [r for r in slots if r != self.rank])
         return got
 
+    def meet(self, arrived, late, what="a barrier"):
+        """A meeting whose arrivals the caller writes elsewhere (e.g. next to its data, so
+        that one cache line tells both): takes the next token (``next_token``) and waits
+        until ``arrived()``; Aborted if the command is aborted meanwhile.  ``late()``: the
+        slots not there yet (for stall messages)."""
+        self._token()
+
+        def ready():
+            if arrived():
+                return True
+            if self.aborted():
+                raise Aborted("another rank failed during this command")
+            return False
+
+        self.waiter.wait(ready, self._sleep, owed=late, what=what)
+
     def barrier(self, check_after=True):
         self._meet(ARRIVE, self.sync_slots)
         if check_after and len(self.sync_slots) > 1 and self.aborted():
