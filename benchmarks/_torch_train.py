@@ -53,6 +53,8 @@ import warnings
 warnings.filterwarnings("ignore", message=".*NumPy.*")      # no numpy in this venv: not used
 
 import torch  # noqa: E402
+
+WARM_S = 0.15      # untimed steps before each timed run (bench_training.WARM_S)
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -86,7 +88,7 @@ class Contender:
         if ddp:
             from torch.nn.parallel import DistributedDataParallel
             model = DistributedDataParallel(model, **req.get("ddp_kwargs", {}))
-        self.model = model
+        self.model, self.ddp = model, ddp
         self.opt, self.impl = make_optimizer(model.parameters(), req.get("rule", "adam"),
                                              float(req.get("lr", 1e-3)))
         g = torch.Generator().manual_seed(seed + 1)
@@ -105,6 +107,16 @@ class Contender:
         return loss
 
     def run(self):
+        end, k = time.perf_counter() + WARM_S, 0      # untimed, as bench_training.timed does:
+        while True:                                   # the previous runner's threads may still spin
+            self.step(self.idxs[k % len(self.idxs)])
+            k += 1
+            more = torch.tensor([int(time.perf_counter() < end)])
+            if self.ddp:                              # DDP ranks make the same number of steps
+                import torch.distributed as dist
+                dist.all_reduce(more, op=dist.ReduceOp.MAX)
+            if not more.item():
+                break
         t0 = time.perf_counter()
         for idx in self.idxs:
             loss = self.step(idx)

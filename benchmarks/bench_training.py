@@ -136,11 +136,24 @@ def model_data(model, rng):
     return X, Y
 
 
+WARM_S = 0.15      # untimed steps before each timed run (see ``timed``)
+
+
 def timed(fn, idxs, limit=contextlib.nullcontext):
     """A runner: ``run()`` makes one step per index array of ``idxs`` (under ``limit()``,
-    e.g. a BLAS thread limit) and returns the time per step."""
+    e.g. a BLAS thread limit) and returns the time per step.  Steps for ``WARM_S`` come
+    first, untimed: the previous runner's threads may still spin (OpenBLAS keeps its threads
+    busy ~0.1 s after a 2-thread call, stealing a core from whoever runs next; measured here:
+    an n=2 step 5.5 ms instead of 3.0 ms for the first 0.1 s), and threads and workers that
+    slept meanwhile wake up.  Every contender gets the same (``_torch_train.py`` too)."""
     def run():
         with limit():
+            end, k = time.perf_counter() + WARM_S, 0
+            while True:
+                fn(idxs[k % len(idxs)])
+                k += 1
+                if time.perf_counter() >= end:
+                    break
             t0 = time.perf_counter()
             for idx in idxs:
                 fn(idx)
@@ -151,7 +164,10 @@ def timed(fn, idxs, limit=contextlib.nullcontext):
 def per_step(runners, reps):
     """Median over ``reps`` repetitions of each runner's time per step.  The runners take
     turns within each repetition, starting one further each time (a change of load on a
-    noisy machine then affects all of them alike, and none is always first)."""
+    noisy machine then affects all of them alike, and none is always first).  (A pause
+    between runs, to let an OpenMP runtime's spinning threads settle, made every
+    two-process contender slower on this virtual machine, synkhronos and DDP alike: the
+    runs follow each other at once.)"""
     ts = [[] for _ in runners]
     for r in range(reps):
         for k in range(len(runners)):

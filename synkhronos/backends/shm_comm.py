@@ -188,12 +188,13 @@ class _Eager:
     a rank writes an area again only after passing a later meeting, which every rank
     reaches only once done reading it, so no closing meeting ("fence") is needed."""
 
-    def __init__(self, prefix, n, create):
+    def __init__(self, prefix, rank, n, create):
         self.row = row = _EAGER_WORDS * 8 + _EAGER_BYTES
         self.seg = shm.Segment(f"{prefix}_eager", 2 * n * row, create=create)
         self.mm = self.seg.mm
         self.data = [self.seg.array(np.uint8, (n, row), offset=p * n * row)[:, _EAGER_WORDS * 8:] for p in (0, 1)]
         self.n = n
+        self.others = [[self._hdr(p, r) for r in range(n) if r != rank] for p in (0, 1)]   # their rows
         self.plans = {}     # (dtype, shape) per value -> _EagerPlan
 
     def _hdr(self, parity, rank):
@@ -218,17 +219,17 @@ class _Eager:
             if len(words) >= _EAGER_WORDS or off > _EAGER_BYTES:
                 return None
             words[0] = len(words)
-            views = [[[self.data[p][r, o:o + nb].view(dt) for r in range(self.n)] for o, nb, dt in layout]
-                     for p in (0, 1)]
+            views = [[[self.data[p][r, o:o + nb].view(dt).reshape(shape) for r in range(self.n)]
+                      for (o, nb, dt), (_, shape) in zip(layout, sig)] for p in (0, 1)]
             plan = self.plans[sig] = _EagerPlan(np.array(words, np.int64).tobytes(), off, views)
         return plan if plan.size * scale <= _EAGER_BYTES else None
 
     def post(self, parity, rank, arrs, plan, token):
         """Write this rank's values, header and token; returns every rank's views of each
-        value (per value, a list by rank)."""
+        value (per value, a list by rank, shaped as the value)."""
         views = plan.views[parity]
         for a, vs in zip(arrs, views):
-            np.copyto(vs[rank], a.reshape(-1))
+            np.copyto(vs[rank], a)
         at = self._hdr(parity, rank)
         header = plan.header
         mm = self.mm
@@ -237,10 +238,11 @@ class _Eager:
         return views
 
     def posted(self, parity, token):
-        """Whether every rank's row in area ``parity`` is complete for meeting ``token``."""
+        """Whether every rank's row in area ``parity`` is complete for meeting ``token``
+        (this rank's is: it wrote it first)."""
         mm = self.mm
-        for r in range(self.n):
-            if _TOKEN.unpack_from(mm, self._hdr(parity, r))[0] != token:
+        for at in self.others[parity]:
+            if _TOKEN.unpack_from(mm, at)[0] != token:
                 return False
         return True
 
@@ -251,10 +253,9 @@ class _Eager:
     def agree(self, parity, plan):
         """Whether every rank posted the same dtypes and shapes."""
         header, mm = plan.header, self.mm
-        size = len(header)
-        for r in range(self.n):
-            at = self._hdr(parity, r) + 8
-            if mm[at:at + size] != header:
+        size = len(header) + 8
+        for at in self.others[parity]:
+            if mm[at + 8:at + size] != header:
                 return False
         return True
 
@@ -275,14 +276,14 @@ _LEAN = {}      # (op, dtype) -> whether it accumulates in its own dtype (no flo
 
 
 def _small_reduce(op, srcs, out):
-    """Reduce the flat ``srcs`` (rank order) into the new flat ``out``: the same values as
+    """Reduce ``srcs`` (rank order, shaped alike) into the new ``out``: the same values as
     ``_reduce_chunk``, with less bookkeeping."""
     dtype = out.dtype
     lean = _LEAN.get((op, dtype))
     if lean is None:
         lean = _LEAN[(op, dtype)] = dtype != np.float16 and red.accumulator(op, dtype) == dtype
     if not lean:
-        return _reduce_chunk(op, srcs, [out], 0, out.size, dtype)
+        return _reduce_chunk(op, [s.reshape(-1) for s in srcs], [out.reshape(-1)], 0, out.size, dtype)
     fn = red.UFUNC[op]
     fn(srcs[0], srcs[1], out=out)
     for x in srcs[2:]:
@@ -399,7 +400,7 @@ class ShmComm(Comm):
         self.names = dict(names or {})
         if self.slots is None:
             self.slots = _Slots(self.prefix, self.rank, self.n, max(64, n_keys), self.create)
-            self.eager = _Eager(self.prefix, self.n, self.create)
+            self.eager = _Eager(self.prefix, self.rank, self.n, self.create)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _commit(self, write):
@@ -494,7 +495,7 @@ class ShmComm(Comm):
             self.sync.meet(lambda: eager.posted(parity, token), lambda: eager.late(parity, token))
             self._eager_check(parity, plan, items)
             for res, vs in zip(out, views):
-                _small_reduce(op, vs, res.reshape(-1))
+                _small_reduce(op, vs, res)
             return out
         done = []
 
@@ -503,7 +504,7 @@ class ShmComm(Comm):
                 return
             self._eager_check(parity, plan, items)    # every rank reads the same headers: all raise alike
             for res, vs in zip(out, views):
-                _small_reduce(op, vs, res.reshape(-1))
+                _small_reduce(op, vs, res)
             done.append(True)
 
         def meanwhile():                  # while the vote is decided: every row is complete
