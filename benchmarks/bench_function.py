@@ -23,14 +23,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "demos"))
 RESULTS = os.path.join(HERE, "results")
 
 
-def median_time(fn, reps, inner=1):
+def call_times(fn, reps, inner=1):
+    """``reps`` mean times (seconds) of ``inner`` calls of ``fn`` each."""
     ts = []
     for _ in range(reps):
         t = time.perf_counter()
         for _ in range(inner):
             fn()
         ts.append((time.perf_counter() - t) / inner)
-    return float(np.median(ts))
+    return ts
+
+
+def median_time(fn, reps, inner=1):
+    return float(np.median(call_times(fn, reps, inner)))
 
 
 def mlp_graph(n_in, hidden, n_out):

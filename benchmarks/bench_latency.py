@@ -9,7 +9,8 @@ checkouts, so both see the same machine; the table shows each figure's best roun
 * ``synk.all_reduce`` of 4 KB, goal <= 20 us;
 * an in-graph ``synkhronos.ops.all_reduce`` of 4 KB, per op (a call with 8 chained ops
   minus a call with none), goal <= 10 us;
-* ``synk.all_reduce`` of 64 MB over one 64 MB ``np.copyto``, goal <= 1.5.
+* ``synk.all_reduce`` of 64 MB over one 64 MB ``np.copyto``, goal <= 1.5;
+* without a goal: in-graph ``ops.all_gather`` and ``ops.broadcast`` of 4 KB, per op.
 
 Usage: python benchmarks/bench_latency.py [--against PATH] [--rounds 3]
 (PATH: the root of another synkhronos checkout, e.g. a ``git worktree`` of an older commit).
@@ -23,6 +24,8 @@ import time
 
 import numpy as np
 
+from bench_function import call_times      # (this directory: the script's own)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
@@ -31,18 +34,14 @@ GOALS = {"call_added_us": ("added per-call overhead, trivial function", 20, "us"
          "train_step_us": ("training step, tiny model (16-16-2, SGD)", 60, "us"),
          "all_reduce_4k_us": ("synk.all_reduce, 4 KB", 20, "us"),
          "ingraph_4k_us": ("in-graph ops.all_reduce, 4 KB, per op", 10, "us"),
+         "ingraph_gather_4k_us": ("in-graph ops.all_gather, 4 KB, per op", None, "us"),
+         "ingraph_bcast_4k_us": ("in-graph ops.broadcast, 4 KB, per op", None, "us"),
          "all_reduce_64m_ratio": ("synk.all_reduce 64 MB / np.copyto 64 MB", 1.5, "x")}
 
 
 def best(fn, rounds=7, inner=300):
     """The best of ``rounds`` mean times of ``inner`` calls (seconds)."""
-    ts = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        ts.append((time.perf_counter() - t) / inner)
-    return min(ts)
+    return min(call_times(fn, rounds, inner))
 
 
 def child(repo):
@@ -81,14 +80,17 @@ def child(repo):
     small = pytensor.shared(np.zeros(1024, "float32"), name="small")
     big = pytensor.shared(np.zeros(16 << 20, "float32"), name="big")
     synk.function([], outputs=[small.sum(), big.sum()])
-    chained = {}
+    chained = {}                          # (verb, ops in the chain) -> function
     if ops is not None:
         v = T.fvector("v")
-        for k in (0, 8):
-            h = v
-            for _ in range(k):
-                h = ops.all_reduce(h, "sum") * np.float32(0.5)
-            chained[k] = synk.function([], outputs=(h.sum(), None), bcast_inputs=[v])
+        verbs = {"all_reduce": lambda h: ops.all_reduce(h, "sum"), "gather": lambda h: ops.all_gather(h)[:1024],
+                 "bcast": lambda h: ops.broadcast(h, 0)}
+        for verb, op in verbs.items():
+            for k in (0, 8):
+                h = v
+                for _ in range(k):
+                    h = op(h) * np.float32(0.5)
+                chained[(verb, k)] = synk.function([], outputs=(h.sum(), None), bcast_inputs=[v])
     synk.distribute()
     xt = rng.standard_normal((8, 4)).astype("float32")
     yt = rng.standard_normal(4).astype("float32")
@@ -104,8 +106,10 @@ def child(repo):
     out = {"call_added_us": (best(lambda: f(xd, yd), inner=1000) - best(lambda: f_plain(xt, yt), inner=1000)) * 1e6,
            "train_step_us": best(lambda: step(Xd, Yd)) * 1e6,
            "all_reduce_4k_us": best(lambda: synk.all_reduce(small, "sum"), inner=500) * 1e6,
-           "ingraph_4k_us": ((best(lambda: chained[8](vd)) - best(lambda: chained[0](vd))) / 8 * 1e6
-                             if chained else None)}
+           **{key: ((best(lambda: chained[(verb, 8)](vd)) - best(lambda: chained[(verb, 0)](vd))) / 8 * 1e6
+                    if chained else None)
+              for key, verb in (("ingraph_4k_us", "all_reduce"), ("ingraph_gather_4k_us", "gather"),
+                                ("ingraph_bcast_4k_us", "bcast"))}}
     synk.all_reduce(big, "sum")
     a = np.ones(16 << 20, "float32")
     b = np.empty_like(a)
@@ -151,8 +155,8 @@ def main():
             v = table[n][k]
             cells.append(f"{'-':>22s}" if v is None else f"{v:19.2f} {unit:2s}")
         ok = table["this checkout"][k]
-        mark = "" if ok is None else (" met" if ok <= goal else " missed")
-        print(f"{label:44s} " + " ".join(cells) + f" {'<= ' + str(goal):>8s}{mark}")
+        mark = "" if ok is None or goal is None else (" met" if ok <= goal else " missed")
+        print(f"{label:44s} " + " ".join(cells) + f" {'-' if goal is None else '<= ' + str(goal):>8s}{mark}")
     os.makedirs(RESULTS, exist_ok=True)
     res = dict(repos=repos, rounds=runs, best=table, goals={k: g[1] for k, g in GOALS.items()},
                time=time.strftime("%Y-%m-%d %H:%M:%S"), cores=os.cpu_count())
@@ -165,15 +169,16 @@ def main():
     except ImportError:
         print("(matplotlib not installed: no plot)")
         return
-    fig, axes = plt.subplots(1, len(GOALS), figsize=(3.1 * len(GOALS), 3.6))
+    fig, axes = plt.subplots(1, len(GOALS), figsize=(2.8 * len(GOALS), 3.6))
     for ax, (k, (label, goal, unit)) in zip(axes, GOALS.items()):
         vals = [table[n][k] or 0.0 for n in names]
         ax.bar(range(len(names)), vals, color=["0.6", "C0"][-len(names):])
-        ax.axhline(goal, color="C3", ls="--", lw=1, label=f"goal {goal} {unit}")
+        if goal is not None:
+            ax.axhline(goal, color="C3", ls="--", lw=1, label=f"goal {goal} {unit}")
+            ax.legend(fontsize=7)
         ax.set_xticks(range(len(names)), [n.split(" (")[0] for n in names], fontsize=7)
         ax.set_title(label, fontsize=8)
         ax.set_ylabel(unit)
-        ax.legend(fontsize=7)
     fig.suptitle("synkhronos fixed costs, n=2 (best of rounds; lower is better)", fontsize=9)
     fig.tight_layout()
     png = os.path.join(RESULTS, "latency.png")

@@ -131,24 +131,7 @@ def _exec(rt, op, vids, args=(), local_args=None, what=None, needs=()):
             return run_share(ctx, local), {}
         finally:
             signals.release()
-    return rt.execute("coll", _command_args(rt, op, vids, args), local, what=what or op, needs=needs)
-
-
-def _command_args(rt, op, vids, args):
-    """``(op, vids, args)``, the same object for a repeated collective (the control plane
-    then sends the same bytes without pickling them again)."""
-    try:
-        key = (op, tuple(vids), args, tuple(map(type, args)))    # (types: 1 and True differ)
-        hash(key)
-    except TypeError:
-        return (op, vids, args)
-    cache = rt.command_args
-    got = cache.get(key)
-    if got is None:
-        if len(cache) >= 256:
-            cache.clear()
-        got = cache[key] = (op, list(vids), args)
-    return got
+    return rt.execute("coll", (op, vids, args), local, what=what or op, needs=needs)
 
 
 def shapes_of(rt, vids):

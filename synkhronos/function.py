@@ -272,7 +272,8 @@ class Function:
             if i < ns and v.ndim == 0:
                 raise ValueError("scattered inputs must have at least 1 dimension (axis 0 is split)")
             values.append(v)
-        if type(num_slices) is int and num_slices == 1 and output_subset is None and batch is None and batch_s is None:
+        if (type(num_slices) is int and num_slices == 1 and output_subset is None and batch is None
+                and batch_s is None):
             return values, 1, None, None, None        # (the commonest call: nothing more to check)
         if isinstance(num_slices, bool) or not isinstance(num_slices, (int, np.integer)) or num_slices < 1:
             raise ValueError(f"num_slices must be a positive integer, got {num_slices!r}")

@@ -159,12 +159,11 @@ class AllReduce(CollectiveOp):
         return Apply(self, [x], [x.type()])
 
     def compute(self, x):
-        r = _rank.current()
-        if r is None or r.n == 1:
+        r = _acting()
+        if r is None:
             return x
-        impl = r.comm.pick("all_reduce", x.dtype, self.op, r.device.placement)
-        key = len(r.shareds) + _KEY["all_reduce"]
-        return impl.all_reduce([(key, x)], self.op, fence=True, scratch=True, owned=True)[0]
+        impl = _impl(r, "all_reduce", x.dtype, self.op)
+        return impl.all_reduce([(_key(r, "all_reduce"), x)], self.op, fence=True, scratch=True, owned=True)[0]
 
     def infer_shape(self, *args):      # (node, shapes); PyTensor < 3.x: (fgraph, node, shapes)
         return [args[-1][0]]

@@ -136,7 +136,6 @@ def _on(device, arrays):
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def _no_input_plan(n):
     from .plans import CallPlan, Rows
     return CallPlan(-1, (), Rows("range", (0,) * (n + 1)), None, 1, None)

@@ -77,8 +77,7 @@ class _Inflight:
 class Session:
     """State of one fork() … close() session in the master."""
 
-    CHECK_EVERY = 0.002
-    _next_check = 0.0
+    CHECK_EVERY = 0.002            # seconds between liveness checks outside waits
 
     def __init__(self, device, master_rank, profile_workers=False, debug=False, stall=DEFAULT_STALL,
                  timeout=None, spin=None):
@@ -104,7 +103,7 @@ class Session:
         self.commands_sent = {}        # command name -> how many were sent
         self.n_data = 0                # Data objects made (their IDs)
         self.scratch = {}              # reusable staging Data of the collectives
-        self.command_args = {}         # the collectives' command arguments, made once
+        self._next_check = 0.0         # (``_check``)
         self.lock = threading.RLock()  # one command at a time, whichever thread calls
         self._depth, self._owner = 0, None
         self.saved_signals = {}

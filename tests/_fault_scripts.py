@@ -93,6 +93,24 @@ class Fault(Op):
             _act(state["action"], "unpickle")
 
 
+class Lag(Op):
+    """Rank ``rank`` sleeps ``seconds`` before passing its value on (a slow rank)."""
+    __props__ = ("rank", "seconds")
+
+    def __init__(self, rank=1, seconds=0.002):
+        self.rank, self.seconds = rank, seconds
+
+    def make_node(self, x):
+        from pytensor.tensor import as_tensor_variable
+        x = as_tensor_variable(x)
+        return Apply(self, [x], [x.type()])
+
+    def perform(self, node, inputs, output_storage):
+        if worker_rank() == self.rank:
+            time.sleep(self.seconds)
+        output_storage[0][0] = np.array(inputs[0], copy=True)
+
+
 def quiet():
     """Silence PyTensor's 'Numba will use object mode' warning for Fault."""
     warnings.filterwarnings("ignore", message=".*Numba will use object mode.*")
@@ -456,6 +474,18 @@ def scenario_sigint_storm(target, n, seconds):
                                        f"{None if after is None else [a.tolist() for a in after]}")
         model[name] = [np.array(a) for a in got]
 
+    def settle(ok, name, var, after, what=None):
+        """After an op on ``var``: completed, the model becomes ``after`` (with ``what``, every
+        rank's value is checked against it); interrupted, ``reconcile``."""
+        if not ok:
+            reconcile(name, var, after)
+            return
+        model[name] = after
+        if what is not None:
+            got = read(var)
+            if not all(np.array_equal(a, c) for a, c in zip(got, after)):
+                mismatch(what, got, after)
+
     storm = _Storm(max_delay=0.0003, seed=2)
     t_end = time.monotonic() + seconds
     while storm.raised < target and time.monotonic() < t_end:
@@ -472,15 +502,9 @@ def scenario_sigint_storm(target, n, seconds):
             after = [model["w"][r] + xs[b[r]:b[r + 1]].sum() if b[r + 1] > b[r] else model["w"][r]
                      for r in range(n)]
             ok, out = storm.attempt(lambda: g(xs))
-            if ok:
-                if out[0] != xs.sum():
-                    mismatch("g sum", out[0], xs.sum())
-                model["w"] = after
-                got = read(w)
-                if not all(np.array_equal(a, c) for a, c in zip(got, after)):
-                    mismatch("g update", got, after)
-            else:
-                reconcile("w", w, after)
+            if ok and out[0] != xs.sum():
+                mismatch("g sum", out[0], xs.sum())
+            settle(ok, "w", w, after, "g update")
         elif op == "h":
             ok, out = storm.attempt(lambda: h(xs, num_slices=3))
             if ok:     # sum(v) is computed once per slice (at most 3 per rank) and summed
@@ -491,37 +515,22 @@ def scenario_sigint_storm(target, n, seconds):
             xs = rng.integers(-5, 6, n + k).astype(np.float64)
             after = [m + xs.sum() for m in model["u"]]
             ok, out = storm.attempt(lambda: q(xs))
-            if ok:
-                if not np.array_equal(out, [xs.sum()] * 2):
-                    mismatch("ingraph", out, xs.sum())
-                model["u"] = after
-                got = read(u)
-                if not all(np.array_equal(a, c) for a, c in zip(got, after)):
-                    mismatch("ingraph update", got, after)
-            else:
-                reconcile("u", u, after)
+            if ok and not np.array_equal(out, [xs.sum()] * 2):
+                mismatch("ingraph", out, xs.sum())
+            settle(ok, "u", u, after, "ingraph update")
         elif op == "all_reduce":
             after = [sum(model["v"])] * n
             ok, _ = storm.attempt(lambda: synk.all_reduce(v, op="sum"))
-            if ok:
-                model["v"] = after
-            else:
-                reconcile("v", v, after)
+            settle(ok, "v", v, after)
         elif op == "broadcast":
             val = rng.integers(-9, 10, 6).astype(np.float64)
             ok, _ = storm.attempt(lambda: synk.broadcast(v, val))
-            if ok:
-                model["v"] = [val] * n
-            else:
-                reconcile("v", v, [val] * n)
+            settle(ok, "v", v, [val] * n)
         elif op == "scatter":
             val = rng.integers(-9, 10, 6 * n).astype(np.float64)
             after = [val[6 * r:6 * r + 6] for r in range(n)]
             ok, _ = storm.attempt(lambda: synk.scatter(v, val))
-            if ok:
-                model["v"] = after
-            else:
-                reconcile("v", v, after)
+            settle(ok, "v", v, after)
         elif op == "gather":
             ok, out = storm.attempt(lambda: synk.gather(v))
             if ok and not np.array_equal(out, np.stack(model["v"])):

@@ -169,7 +169,8 @@ class _Slots:
 
 class _EagerPlan:
     """How a list of values lies in the eager area: ``header`` (bytes every rank writes),
-    ``size`` (bytes of values) and ``views[parity][value][rank]`` (flat views)."""
+    ``size`` (bytes of values) and ``views[parity][value][rank]`` (views shaped as the
+    values)."""
 
     __slots__ = ("header", "size", "views")
 
@@ -184,9 +185,10 @@ class _Eager:
     meeting's token into its row of an area every rank maps; all ranks meet once; then each
     rank checks that the headers agree and computes the whole result from every row itself
     (for a few KB, cheaper than two more meetings).  Rows whose token is the meeting's are
-    complete: a rank may compute before the meeting has decided.  Two areas serve alternately, chosen by the parity of the meeting's token:
-    a rank writes an area again only after passing a later meeting, which every rank
-    reaches only once done reading it, so no closing meeting ("fence") is needed."""
+    complete: a rank may compute before a vote has decided.  Two areas serve alternately,
+    chosen by the parity of the meeting's token: a rank writes an area again only after
+    passing a later meeting, which every rank reaches only once done reading it, so no
+    closing meeting ("fence") is needed."""
 
     def __init__(self, prefix, rank, n, create):
         self.row = row = _EAGER_WORDS * 8 + _EAGER_BYTES
@@ -458,9 +460,10 @@ class ShmComm(Comm):
 
     # ---- verbs ---------------------------------------------------------------------------
     def all_reduce(self, items, op, fence=True, scratch=False, owned=False):
-        """``scratch`` (an in-graph op: the results are a call's intermediate values, never
-        a variable's): no vote before the write; a rank that fails aborts the call, whose
-        updates no rank then applies."""
+        """``scratch`` (an in-graph op or a training step: the results are a call's
+        intermediate values): no vote before the write; a rank that fails aborts the call,
+        whose updates no rank then applies.  Small values (``_Eager``) come back as new
+        arrays, larger ones as this rank's slot (a copy if ``owned``)."""
         if self.n == 1:
             return [np.asarray(a) for _, a in items]
         arrs = [np.asarray(a) for _, a in items]
@@ -491,26 +494,24 @@ class ShmComm(Comm):
         token = self.sync.next_token()
         parity = token & 1
         views = eager.post(parity, rank, arrs, plan, token)
-        if scratch:                        # the rows' tokens are the arrivals
-            self.sync.meet(lambda: eager.posted(parity, token), lambda: eager.late(parity, token))
-            self._eager_check(parity, plan, items)
-            for res, vs in zip(out, views):
-                _small_reduce(op, vs, res)
-            return out
         done = []
 
-        def write():
+        def compute():
             if done:
                 return
             self._eager_check(parity, plan, items)    # every rank reads the same headers: all raise alike
             for res, vs in zip(out, views):
                 _small_reduce(op, vs, res)
             done.append(True)
+        if scratch:                        # the rows' tokens are the arrivals
+            self.sync.meet(lambda: eager.posted(parity, token), lambda: eager.late(parity, token))
+            compute()
+            return out
 
         def meanwhile():                  # while the vote is decided: every row is complete
             if eager.posted(parity, token) and eager.agree(parity, plan):
-                write()                   # (only kept if the vote commits)
-        if not self.sync.vote(True, on_commit=write, meanwhile=meanwhile):
+                compute()                 # (only kept if the vote commits)
+        if not self.sync.vote(True, on_commit=compute, meanwhile=meanwhile):
             raise Aborted("another rank failed during this collective")
         return out
 

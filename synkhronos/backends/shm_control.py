@@ -18,7 +18,6 @@ import pickle
 import re
 import struct
 
-import numpy as np
 import posix_ipc
 
 from . import shm
@@ -310,26 +309,15 @@ class ShmControl(Control):
     def _meet(self, field, slots):
         """Arrive (this rank's ``field`` := the next step's token) and wait until every
         slot of ``slots`` has arrived too; Aborted if the command is aborted meanwhile."""
-        token = self._token()        # every rank counts every step, whether it waits or not
         if len(slots) == 1:
+            self._token()            # every rank counts every step, whether it waits or not
             return
+        token = self.next_token()
         self._set(self.rank, field, token)
         where, others = self._meeting(field, slots)
-        self._post(others)
         ctrl = self.ctrl
-
-        def late():
-            return [r for r, i in where if ctrl[i] < token]
-
-        def ready():
-            for _, i in where:
-                if ctrl[i] < token:
-                    if self.aborted():
-                        raise Aborted("another rank failed during this command")
-                    return False
-            return True
-
-        self.waiter.wait(ready, self._sleep, owed=late, what="a barrier")
+        self.meet(lambda: all(ctrl[i] >= token for _, i in where),
+                  lambda: [r for r, i in where if ctrl[i] < token], others)
 
     def _meeting(self, field, slots):
         """``([(slot, index of its field)], the other slots)`` of a meeting (made once)."""
@@ -339,11 +327,13 @@ class ShmControl(Control):
                                                     [r for r in slots if r != self.rank])
         return got
 
-    def meet(self, arrived, late, what="a barrier"):
-        """A meeting whose arrivals the caller writes elsewhere (e.g. next to its data, so
-        that one cache line tells both): takes the next token (``next_token``) and waits
-        until ``arrived()``; Aborted if the command is aborted meanwhile.  ``late()``: the
-        slots not there yet (for stall messages)."""
+    def meet(self, arrived, late, others=None, what="a barrier"):
+        """A meeting: the caller has written its arrival (for ``next_token``; e.g. next to
+        its data, so that one cache line tells both); this wakes the ``others`` (default:
+        every other slot of the command), takes that token and waits until ``arrived()``;
+        Aborted if the command is aborted meanwhile.  ``late()``: the slots not there yet
+        (for stall messages)."""
+        self._post(self._meeting(ARRIVE, self.sync_slots)[1] if others is None else others)
         self._token()
 
         def ready():
@@ -392,7 +382,7 @@ class ShmControl(Control):
         # a rank already past this vote (a later token) voted yes here and saw every yes:
         # votes only grow, so a rank that moved on cannot hide its vote from a slower one
         ctrl = self.ctrl
-        where = [(r, _BASE + _STRIDE * r + VOTE) for r in self.sync_slots]
+        where, _ = self._meeting(VOTE, self.sync_slots)
 
         def late():
             return [r for r, i in where if abs(ctrl[i]) < token]
@@ -438,8 +428,8 @@ class ShmControl(Control):
             if on_commit is not None:
                 on_commit()
             return True
-        workers = [r for r in self.sync_slots if r != self.rank]
-        where = [(r, _BASE + _STRIDE * r + VOTE) for r in workers]
+        every, workers = self._meeting(VOTE, self.sync_slots)
+        where = [(r, i) for r, i in every if r != self.rank]
         decided = False
         try:
             if ok:
