@@ -1,0 +1,103 @@
+"""Where a data-parallel training step's time goes (the MLP 784-512-512-10 of
+``bench_training.py --torch``, Adam, float32, batch gathered by a shuffled index), at n=2,
+through the public API only:
+
+* the gradient call alone (``step.grad_function``), the all-reduce of the flat gradient
+  right after it (``synk.all_reduce``, the gradient freshly replaced: copy-in included),
+  the update call alone (``step.update_function``), and the chained step (one round trip);
+* PyTensor in the master on the whole batch, with one and with two BLAS threads;
+* the chained step right after a two-thread PyTensor run, against right after a one-thread
+  one: OpenBLAS keeps its second thread spinning for a while after a two-thread call,
+  which is why ``bench_training.py`` gives every contender untimed steps first.
+
+Usage: python benchmarks/bench_step_parts.py [--batches 64,256] [--reps 9]
+Prints a table and saves benchmarks/results/step_parts.json."""
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "demos"))
+
+import bench_training as bt                  # noqa: E402  (the model and data)
+from bench_function import call_times        # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="64,256", help="comma-separated batch sizes (default: 64,256)")
+    ap.add_argument("--reps", type=int, default=9, help="timed runs of 20 steps each (medians)")
+    args = ap.parse_args()
+    import pytensor
+    pytensor.config.floatX = "float32"
+    import pytensor.tensor as pt
+    from threadpoolctl import threadpool_limits
+
+    import synkhronos as synk
+    from synkhronos.extensions import train, updates
+
+    rng = np.random.default_rng(0)
+    synk.fork(2)
+    out = {}
+    try:
+        x = pt.matrix("x", dtype="float32")
+        y, loss, params = bt.build("mlp784", x)
+        step = train.make_train_function(loss, params, [x, y], updates.adam, learning_rate=1e-3)
+        synk.distribute()
+        X, Y = bt.model_data("mlp784", rng)
+        Xd, Yd = synk.data(X), synk.data(Y)
+        grad_var = step.grad_shared
+        for B in [int(b) for b in args.batches.split(",")]:
+            idxs = [rng.permutation(len(X))[:B] for _ in range(20)]
+
+            def each(fn):
+                return lambda: [fn(i) for i in idxs]
+
+            def serial(i):
+                return step.serial(X[i], Y[i])
+
+            def grad_then_reduce(i):
+                step.grad_function(Xd, Yd, batch=i)
+                synk.all_reduce(grad_var, op="avg")
+
+            def after(threads):
+                def run():
+                    with threadpool_limits(limits=threads):
+                        each(serial)()
+                    t = time.perf_counter()
+                    each(lambda i: step(Xd, Yd, batch=i))()
+                    return time.perf_counter() - t
+                return run
+            parts = {"gradient call": each(lambda i: step.grad_function(Xd, Yd, batch=i)),
+                     "gradient call + all_reduce": each(grad_then_reduce),
+                     "update call": each(lambda i: step.update_function()),
+                     "chained step (one round trip)": each(lambda i: step(Xd, Yd, batch=i))}
+            for fn in parts.values():
+                fn()                                             # warm: JIT, caches
+            row = {k: float(np.median(call_times(fn, args.reps))) / len(idxs) for k, fn in parts.items()}
+            for threads in (1, 2):
+                with threadpool_limits(limits=threads):
+                    each(serial)()
+                    row[f"PyTensor, {threads} thread(s), whole batch"] = float(
+                        np.median(call_times(each(serial), args.reps))) / len(idxs)
+            for threads in (1, 2):
+                row[f"chained step right after a {threads}-thread PyTensor run"] = float(
+                    np.median([after(threads)() for _ in range(args.reps)])) / len(idxs)
+            out[B] = row
+            print(f"\nMLP 784-512-512-10, Adam, batch {B}, n=2: time per step (median of {args.reps} x 20)")
+            for k, v in row.items():
+                print(f"  {k:58s} {v * 1e3:8.3f} ms")
+    finally:
+        synk.close()
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    with open(os.path.join(HERE, "results", "step_parts.json"), "w") as fh:
+        json.dump(dict(results=out, cores=os.cpu_count(), time=time.strftime("%Y-%m-%d %H:%M:%S")), fh,
+                  indent=1)
+
+
+if __name__ == "__main__":
+    main()
