@@ -152,8 +152,8 @@ def c_allreduce(a):
     v = pytensor.shared(np.zeros(1, "float32"), name="v")
     synk.function([], v.sum())                  # (registers v)
     synk.distribute()
-    ctx = session._session.ctx
-    comm = ctx.comm.pick("all_reduce", "float32", "sum", ctx.device.placement).name
+    me = session.get_session().me
+    comm = me.comm.pick("all_reduce", "float32", "sum", me.device.placement).name
     rows = []
     for size in a["sizes"]:
         count = size // 4

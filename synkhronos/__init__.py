@@ -16,7 +16,7 @@ from .errors import (SynkError, WorkerError, WorkerDied, WorkerStopped, StallTim
                      ForeignSession, OutOfRange, BadArgument, DeviceMemoryError)
 from .collectives import (broadcast, scatter, gather, all_gather, reduce, all_reduce,
                           set_value, get_value, get_lengths, get_shapes)
-from .device import get_n_gpu
+from .backends import get_n_gpu
 
 _sys.setrecursionlimit(max(_sys.getrecursionlimit(), 50000))
 

@@ -25,91 +25,67 @@ next collective on the same key.  Unequal shapes where a verb needs equal ones r
 the collective has ended on every rank (the command boundary is the fence), which saves
 implementations a closing barrier.
 
-Each call is served by the first implementation in a ``CommStack`` whose ``accepts``
-takes the verb, dtype, op and placement: a backend adds its fast paths (MPI between hosts,
-NCCL on GPUs) in front of general ones (shared memory, host-staged)."""
+Each call is served by the first implementation in the rank's stack of comms
+(``backends.stack.CommStack``) whose ``accepts`` takes the verb, dtype, op and placement:
+the wiring (``synkhronos.backends``) puts fast paths (NCCL on GPUs) in front of general
+ones (host-staged, shared memory).  Implementations: ``shm`` (``backends.shm.comm``),
+``hier`` (``backends.mpi.comm``), ``staged`` and ``xla`` (``backends.jax``).
+
+A verb an implementation's ``accepts`` refuses is never called on it (it may raise
+``NotImplementedError``)."""
 
 
-class Comm:
-    """Interface of one comm implementation, bound to one rank."""
+from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
-    name = "abstract"
+VERBS = ("all_reduce", "reduce", "broadcast", "all_gatherv", "gatherv", "reduce_scatter", "shapes", "barrier")
 
-    def accepts(self, verb, dtype, op=None, placement="host"):
+
+@runtime_checkable
+class Comm(Protocol):
+    """One comm implementation, bound to one rank."""
+
+    name: str                 # the registry name
+    returns_new: tuple        # verbs whose results are new arrays (never buffers the comm reuses)
+
+    def accepts(self, verb: str, dtype, op: Optional[str] = None, placement: str = "host") -> bool:
         """Whether this implementation serves ``verb`` for ``dtype``/``op``/``placement``."""
-        return False
 
-    def setup(self, n_keys, names=None):
+    def setup(self, n_keys: int, names: Optional[dict] = None) -> None:
         """Called on every rank once the keys are known (at distribute); ``names``: key ->
         what to call it in messages."""
 
-    def all_reduce(self, items, op, fence=True, scratch=False, owned=False):
-        """``scratch``: the results are intermediate values of a call (an in-graph op, a
-        training step's gradient), so an implementation may skip the all-or-nothing vote (a
-        failed call applies nothing).  ``owned``: the results must be arrays of the
-        caller's own, never buffers the comm reuses (an in-graph op's values)."""
-        raise NotImplementedError
+    def all_reduce(self, items: Sequence, op: str, fence: bool = True, scratch: bool = False,
+                   owned: bool = False) -> list:
+        """Every rank gets the reduction of each item.  ``scratch``: the results are
+        intermediate values of a call (an in-graph op, a training step's gradient), so an
+        implementation may skip the all-or-nothing vote (a failed call applies nothing).
+        ``owned``: the results must be arrays of the caller's own, never buffers the comm
+        reuses (an in-graph op's values)."""
 
-    def reduce(self, items, op, root, outs=None, fence=True):
-        """Returns the results on ``root`` (written into ``outs[i]`` where given), else None."""
-        raise NotImplementedError
+    def reduce(self, items: Sequence, op: str, root: int, in_place: bool = True, fence: bool = True) -> Optional[list]:
+        """The root gets the reductions (``in_place``: into the buffers it may keep as its
+        values; else into results of their own), the other ranks None."""
 
-    def broadcast(self, items, root, fence=True):
-        """``items``: ``(key, array, dtype)``; ``array`` matters on the root only."""
-        raise NotImplementedError
+    def broadcast(self, items: Sequence, root: int, fence: bool = True) -> list:
+        """``items``: ``(key, array, dtype)``; ``array`` matters on the root only.  Every
+        rank gets the root's arrays."""
 
-    def all_gatherv(self, items, fence=True):
-        raise NotImplementedError
+    def all_gatherv(self, items: Sequence, fence: bool = True) -> list:
+        """Every rank gets the concatenation (axis 0, rank order) of every rank's array."""
 
-    def gatherv(self, items, root):
-        """Returns, on ``root``, a list per item of every rank's array (copies); else None."""
-        raise NotImplementedError
+    def gatherv(self, items: Sequence, root: int, fence: bool = True) -> Optional[list]:
+        """The root gets, per item, the list of every rank's array (copies); others None."""
 
-    def reduce_scatter(self, items, op, fence=True, counts=None):
+    def reduce_scatter(self, items: Sequence, op: str, fence: bool = True, counts: Optional[Sequence] = None) -> list:
         """Rank r gets its block of rows of the reduction of each item (new arrays).
         ``counts``: None, or one entry per item: None (near-equal blocks, rows
         ``r*N//n`` to ``(r+1)*N//n``) or the rows of each rank (the same on every rank)."""
-        raise NotImplementedError
 
-    def shapes(self, shapes):
+    def shapes(self, shapes: Sequence) -> list:
         """``shapes``: this rank's shape of each item; returns ``[[shape per rank] per item]``."""
-        raise NotImplementedError
 
-    def barrier(self):
-        raise NotImplementedError
+    def barrier(self) -> None:
+        """All ranks meet."""
 
-    def close(self):
-        pass
-
-
-class CommStack:
-    """Dispatches each verb to the first implementation that accepts it."""
-
-    def __init__(self, impls):
-        self.impls = list(impls)
-        self._cache = {}
-
-    def pick(self, verb, dtype=None, op=None, placement="host"):
-        k = (verb, dtype, op, placement)
-        impl = self._cache.get(k)
-        if impl is None:
-            for c in self.impls:
-                if c.accepts(verb, dtype, op, placement):
-                    impl = c
-                    break
-            else:
-                raise TypeError(f"no collective implementation accepts {verb} of dtype {dtype} "
-                                f"(op {op}, on {placement}); have {[c.name for c in self.impls]}")
-            self._cache[k] = impl
-        return impl
-
-    def setup(self, n_keys, names=None):
-        for c in self.impls:
-            c.setup(n_keys, names)
-
-    def barrier(self):
-        self.impls[-1].barrier()
-
-    def close(self):
-        for c in self.impls:
-            c.close()
+    def close(self) -> Any:
+        """Free what this rank holds."""

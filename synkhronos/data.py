@@ -60,9 +60,9 @@ def _release(rt_ref, buf, pid):
     if os.getpid() != pid:
         return
     buf.release()
-    rt = rt_ref()
-    if rt is not None and not rt.closed:
-        rt.forget.append(buf.handle)
+    session = rt_ref()
+    if session is not None and not session.closed:
+        session.forget.append(buf.handle)
 
 
 class Data:
@@ -72,11 +72,11 @@ class Data:
     ``set_value``/``set_shape``/``set_length`` resize it, reusing the allocation whenever the
     new size fits.  Create it with ``synk.data(...)``."""
 
-    def __init__(self, dtype, ndim, minibatch=False, name=None, _rt=None):
-        rt = _rt or get_session()
-        self._rt_ref = weakref.ref(rt)
-        self.ID = rt.n_data
-        rt.n_data += 1
+    def __init__(self, dtype, ndim, minibatch=False, name=None, _session=None):
+        session = _session or get_session()
+        self._session_ref = weakref.ref(session)
+        self.ID = session.n_data
+        session.n_data += 1
         self._dtype = np.dtype(dtype)
         if not isinstance(ndim, (int, np.integer)) or ndim < 0:
             raise ValueError(f"ndim must be a non-negative int, got {ndim!r}")
@@ -166,15 +166,15 @@ class Data:
 
     # ---- internals ------------------------------------------------------------------------
     def _check_open(self):
-        rt = self._rt_ref()
-        if rt is None or rt.closed:
+        session = self._session_ref()
+        if session is None or session.closed:
             raise RuntimeError("this Data belongs to a closed synkhronos session")
-        rt.check_usable()
-        return rt
+        session.check_usable()
+        return session
 
     def _reshape(self, shape, oversize, keep):
         oversize = _check_oversize(oversize)
-        rt = self._check_open()
+        session = self._check_open()
         size = math.prod(shape)
         if tuple(shape) == self._arr.shape and (self._buf is not None or size == 0):
             return
@@ -183,14 +183,14 @@ class Data:
             return
         old = self._arr
         n_items = max(size, int(size * oversize))
-        buf = rt.ctx.control.alloc(n_items * self._dtype.itemsize)
+        buf = session.me.control.alloc(n_items * self._dtype.itemsize)
         new = buf.array(self._dtype, shape)
         if keep and old.ndim and old.shape[1:] == shape[1:]:
             rows = min(len(old), shape[0])
             new[:rows] = old[:rows]
         self._drop_buffer()
         self._buf, self._alloc, self._arr = buf, n_items, new
-        self._finalizer = weakref.finalize(self, _release, self._rt_ref, buf, os.getpid())
+        self._finalizer = weakref.finalize(self, _release, self._session_ref, buf, os.getpid())
 
     def _drop_buffer(self):
         if self._finalizer is not None:
@@ -203,6 +203,30 @@ class Data:
         arr = self._arr
         return ArrayRef(self._buf.handle if (self._buf is not None and arr.size) else None, arr.dtype.str,
                         arr.shape)
+
+
+# ---- what the runtime reads of a Data (functions and collectives; not for users) -----------
+
+
+def array_ref(d):
+    """What a rank needs to read ``d``: an ``ArrayRef``."""
+    return d._ref()
+
+
+def owner(d):
+    """The session ``d`` belongs to (None once it is gone)."""
+    return d._session_ref()
+
+
+def resize(d, shape, oversize, keep):
+    """Give ``d`` the shape ``shape`` (a new buffer only when it does not fit; ``keep``
+    copies the rows that stay)."""
+    d._reshape(shape, oversize, keep)
+
+
+def plan_key(d):
+    """What a call's plan depends on of ``d``: its buffer, shape and minibatch flag."""
+    return (d._buf.handle if d._buf is not None else None, d._arr.shape, d._minibatch)
 
 
 def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=False,

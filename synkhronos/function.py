@@ -19,7 +19,7 @@ import numpy as np
 
 from . import shards
 from .commands import worker_command
-from .data import Data, condition
+from .data import Data, array_ref, condition, owner, plan_key, resize
 from .errors import BadArgument, OutOfRange
 from .plans import CallPlan, Rows, arrays_from_wire, arrays_to_wire, call_from_wire, call_needs, call_to_wire
 from .progress import busy
@@ -107,9 +107,9 @@ class Function:
     whole by every rank; outputs are reduced by their mode; updates apply in every rank
     (on all ranks or, if any rank fails, on none)."""
 
-    def __init__(self, rt, inputs, bcast_inputs, outputs, updates, givens, sliceable_shareds, kwargs):
+    def __init__(self, session, inputs, bcast_inputs, outputs, updates, givens, sliceable_shareds, kwargs):
         from pytensor.compile.sharedvalue import SharedVariable
-        self._rt = rt
+        self._session = session
         self._inputs = _as_list(inputs, "inputs")
         self._bcast = _as_list(bcast_inputs, "bcast_inputs")
         self._all_inputs = self._inputs + self._bcast
@@ -125,7 +125,7 @@ class Function:
         self._kwargs = dict(kwargs)
         self._allow_downcast = bool(kwargs.get("allow_input_downcast"))
         all_out = out_vars + [u for _, u, _ in ups]
-        device = rt.device
+        device = session.device
         self._collective = _check_collectives(all_out, givens, kwargs.get("mode"), device)
         f = device.compile(self._all_inputs, all_out, givens=givens, **kwargs)
         shared_of_f = f.get_shared()
@@ -143,7 +143,7 @@ class Function:
             self._collective = any(uses_collectives(fn.maker.fgraph.outputs) for fn in (f, f_s) if fn is not None)
         self._sliceable = sliceable
         self._updates_sliceable = False     # set by distribute()
-        self._replica = Replica(len(rt.functions), f, f_s, len(self._inputs), len(self._bcast), len(out_vars),
+        self._replica = Replica(len(session.functions), f, f_s, len(self._inputs), len(self._bcast), len(out_vars),
                                 self._output_modes, [v for v, _, _ in ups], self._update_modes, sliceable)
         self._names = {v.name: i for i, v in enumerate(self._all_inputs) if v.name}
         self._staging = [None] * len(self._all_inputs)
@@ -193,7 +193,7 @@ class Function:
 
     def _check_data(self, i, d):
         dtype, ndim, _ = self._types[i]
-        if d._rt_ref() is not self._rt:
+        if owner(d) is not self._session:
             raise RuntimeError(f"{self._what(i)} is a Data of another (closed) synkhronos session")
         if d.dtype != dtype:
             raise TypeError(f"{self._what(i)}: Data dtype {d.dtype} but the variable expects {dtype}")
@@ -225,16 +225,16 @@ class Function:
             return value
         d = self._staging[i]
         if d is None:
-            d = self._staging[i] = Data(value.dtype, value.ndim, name=f"staging{i}", _rt=self._rt)
-        d._reshape(value.shape, 1.5 if value.size > d.alloc_size else 1, keep=False)
+            d = self._staging[i] = Data(value.dtype, value.ndim, name=f"staging{i}", _session=self._session)
+        resize(d, value.shape, 1.5 if value.size > d.alloc_size else 1, keep=False)
         np.copyto(d.data, value)
         return d
 
     def _stage_index(self, idx):
         st = self._idx_stage
         if st is None:
-            st = self._idx_stage = Data(np.int64, 1, name="batch_idx", _rt=self._rt)
-        st._reshape(idx.shape, 1.5 if idx.size > st.alloc_size else 1, keep=False)
+            st = self._idx_stage = Data(np.int64, 1, name="batch_idx", _session=self._session)
+        resize(st, idx.shape, 1.5 if idx.size > st.alloc_size else 1, keep=False)
         np.copyto(st.data, idx)
         return st
 
@@ -245,19 +245,19 @@ class Function:
 
     def _invoke(self, args, kwargs, output_subset, batch, batch_s, num_slices, then=()):
         """A call; ``then``: steps every rank chains in the same command (``replica.follow_up``)."""
-        rt = self._rt
-        if rt.closed:
+        session = self._session
+        if session.closed:
             raise RuntimeError("synkhronos is closed; this function belongs to a closed session")
-        with rt.api(require_distributed=True):
+        with session.api(require_distributed=True):
             values, num_slices, wanted, sel, sel_s = self._validate(args, kwargs, output_subset, batch, batch_s,
                                                                      num_slices)
             datas = [self._stage(i, v) for i, v in enumerate(values)]
             plan, wire, total, idx_local = self._plan(datas, sel, sel_s, num_slices, wanted)
             mine, theirs, arrays = self._run(plan, wire, datas, total, idx_local, then)
             outs = self._collect(mine, theirs, wanted, arrays, plan)
-            rt.commit()
+            session.commit()
             if self._updates_sliceable:
-                rt.lengths.clear()
+                session.lengths.clear()
             return outs
 
     def _validate(self, args, kwargs, output_subset, batch, batch_s, num_slices):
@@ -288,7 +288,7 @@ class Function:
                              "(use batch_s for sliceable shareds)")
         if batch_s is not None and not self._sliceable:
             raise BadArgument("batch_s given but this function has no sliceable_shareds")
-        sel_s = shards.normalize_batch_s(batch_s, self._rt.n)
+        sel_s = shards.normalize_batch_s(batch_s, self._session.n)
         return values, num_slices, wanted, sel, sel_s
 
     def _plan(self, datas, sel, sel_s, num_slices, wanted):
@@ -298,8 +298,7 @@ class Function:
         no selectors) reuses its plan: nothing in it can have changed."""
         key = None
         if sel is None and sel_s is None and not self._sliceable and not self._collective:
-            key = (tuple((d._buf.handle if d._buf is not None else None, d._arr.shape, d._minibatch)
-                         for d in datas), num_slices, None if wanted is None else tuple(wanted))
+            key = (tuple(plan_key(d) for d in datas), num_slices, None if wanted is None else tuple(wanted))
             cached = self._plan_cache
             if cached is not None and cached[0] == key:
                 return cached[1]
@@ -309,8 +308,8 @@ class Function:
         return made
 
     def _make_plan(self, datas, sel, sel_s, num_slices, wanted):
-        rt = self._rt
-        n, ns = rt.n, len(self._inputs)
+        session = self._session
+        n, ns = session.n, len(self._inputs)
         scat = datas[:ns]
         mbs = tuple(d.minibatch for d in scat)
         kind, base, idx_ref, idx_local, total = "range", 0, None, None, None
@@ -338,7 +337,7 @@ class Function:
                 kind = "index"
                 bounds = shards.split(total, n)
                 st = self._stage_index(idx)
-                idx_ref, idx_local = st._ref(), st.data
+                idx_ref, idx_local = array_ref(st), st.data
             if mb_len and min(mb_len) < total:
                 raise ValueError(f"minibatch inputs of lengths {mb_len} are shorter than the batch ({total} rows)")
         else:
@@ -348,7 +347,7 @@ class Function:
         if self._collective and ns:
             _check_collective_rows([bounds[r + 1] - bounds[r] for r in range(n)], num_slices)
         send = self._send_mask(wanted, self._master_has_rows(ns, bounds, sel_s))
-        plan = CallPlan(self._replica.fid, tuple(d._ref() for d in datas), Rows(kind, bounds, base, idx_ref, mbs),
+        plan = CallPlan(self._replica.fid, tuple(array_ref(d) for d in datas), Rows(kind, bounds, base, idx_ref, mbs),
                         sel_s, num_slices, send)
         return plan, call_to_wire(plan), total, idx_local
 
@@ -356,21 +355,21 @@ class Function:
         return "s" if (self._sliceable and (plan.sel_s is not None or plan.num_slices > 1)) else "f"
 
     def _run(self, plan, wire, datas, total, idx_local, then=()):
-        rt = self._rt
-        ctx = rt.ctx
-        me = rt.rank
+        session = self._session
+        me = session.me
+        my_rank = session.rank
         arrays = [d.data for d in datas]
         ns = len(self._inputs)
         replica = self._replica
 
         def local():
-            scat = [shards.take_rows(a, plan.rows, me, mb, idx_local)
+            scat = [shards.take_rows(a, plan.rows, my_rank, mb, idx_local)
                     for a, mb in zip(arrays[:ns], plan.rows.minibatch)]
-            return replica.run(ctx, scat, arrays[ns:], plan)
+            return replica.run(me, scat, arrays[ns:], plan)
 
         variant = self._variant(plan)
         bounds = plan.rows.bounds
-        master_first = variant not in self._warm and (total is None or bounds[me + 1] > bounds[me])
+        master_first = variant not in self._warm and (total is None or bounds[my_rank + 1] > bounds[my_rank])
         if self._collective:     # in-graph collectives meet the other ranks: all start together
             master_first = False
         what = f"call of function {self.name or replica.fid}"
@@ -378,31 +377,31 @@ class Function:
         if cached is None or cached[0] is not wire or cached[1] is not then:   # (control.send)
             cached = self._args_cache = (wire, then, (wire, then) if then else (wire,))
         args = cached[2]
-        after = (lambda: follow_up(ctx, then)) if then else None     # they meet the other ranks
+        after = (lambda: follow_up(me, then)) if then else None     # they meet the other ranks
         needs = lambda: call_needs(plan, ns)  # noqa: E731
         if variant in self._warm:
-            mine, theirs = rt.execute("call", args, local, master_first, what=what, needs=needs, after=after)
+            mine, theirs = session.execute("call", args, local, master_first, what=what, needs=needs, after=after)
         else:                    # the first call compiles (numba JIT: up to a minute): say so
             with busy(f"synkhronos: first {what}: compiling (JIT) or loading it from the cache"):
-                mine, theirs = rt.execute("call", args, local, master_first, what=what, patient=True,
+                mine, theirs = session.execute("call", args, local, master_first, what=what, patient=True,
                                           needs=needs, after=after)
         self._warm.add(variant)
         return mine, theirs, arrays
 
     def _check_sliceable(self, sel_s, bounds, num_slices=1):
         """Check batch_s against every rank's sliceable-shared lengths, in the master."""
-        rt = self._rt
-        key = tuple(rt.shared_ids[id(v)] for v in self._sliceable)
-        lens = rt.lengths.get(key)
+        session = self._session
+        key = tuple(session.shared_ids[id(v)] for v in self._sliceable)
+        lens = session.lengths.get(key)
         if lens is None:
             from .collectives import shapes_of
-            shapes = shapes_of(rt, list(key))
-            lens = [[s[r][0] for s in shapes] for r in range(rt.n)]
-            rt.lengths.put(key, lens)
+            shapes = shapes_of(session, list(key))
+            lens = [[s[r][0] for s in shapes] for r in range(session.n)]
+            session.lengths.put(key, lens)
         lens = [list(l) for l in lens]
-        lens[rt.rank] = [len(rt.device.get(v)) for v in self._sliceable]   # master may set_value locally
+        lens[session.rank] = [len(session.device.get(v)) for v in self._sliceable]   # master may set_value locally
         rows_of = []
-        for r in range(rt.n):
+        for r in range(session.n):
             sel = None if sel_s is None else sel_s[r]
             if sel is None and len(set(lens[r])) > 1:
                 raise ValueError(f"sliceable shareds have different lengths {lens[r]} on rank {r}; "
@@ -436,13 +435,13 @@ class Function:
         return [int(i) for i in output_subset]
 
     def _master_has_rows(self, ns, bounds, sel_s):
-        me = self._rt.rank
+        my_rank = self._session.rank
         if ns:
-            return bounds[me + 1] > bounds[me]
+            return bounds[my_rank + 1] > bounds[my_rank]
         if self._sliceable:
             if sel_s is not None:
-                return shards.sel_length(sel_s[me], 0) > 0
-            return self._replica.sliceable_length(self._rt.device) > 0
+                return shards.sel_length(sel_s[my_rank], 0) > 0
+            return self._replica.sliceable_length(self._session.device) > 0
         return True
 
     def _send_mask(self, wanted, master_has_rows):
@@ -455,20 +454,20 @@ class Function:
 
     # ---- collect -----------------------------------------------------------------------------
     def _collect(self, mine, theirs, wanted, arrays, plan):
-        rt = self._rt
+        session = self._session
         results = {r: None if rep is None else (arrays_from_wire(rep[0]), rep[1]) for r, rep in theirs.items()}
-        results[rt.rank] = mine
-        order = [r for r in range(rt.n) if results.get(r) is not None]
+        results[session.rank] = mine
+        order = [r for r in range(session.n) if results.get(r) is not None]
         if not order:           # no rank had rows: compute once on empty input, as serial would
             ns = len(self._inputs)
-            results[rt.rank] = self._replica.run_empty(arrays[:ns], arrays[ns:], self._variant(plan))
-            order = [rt.rank]
+            results[session.rank] = self._replica.run_empty(arrays[:ns], arrays[ns:], self._variant(plan))
+            order = [session.rank]
         idxs = range(self._replica.n_out) if wanted is None else wanted
         outs = []
         for i in idxs:
             mode = self._output_modes[i]
             if mode is None:
-                src = rt.rank if results.get(rt.rank) is not None else order[0]
+                src = session.rank if results.get(session.rank) is not None else order[0]
                 outs.append(np.array(results[src][0][i], copy=True))
                 continue
             outs.append(combine(mode, [results[r][0][i] for r in order], [results[r][1] for r in order]))
@@ -490,7 +489,7 @@ class Function:
             f.trust_input = True
         n_out = self._replica.n_out
         for var, val in zip(self._replica.update_vars, outs[n_out:]):
-            self._rt.device.set(var, val)
+            self._session.device.set(var, val)
         outs = outs[:n_out]
         if wanted is not None:
             return [outs[i] for i in wanted]
@@ -516,14 +515,14 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
 
     Outputs may be ``(var, mode)`` with mode in avg (default), sum, prod, max, min, gather,
     None; updates may be ``(var, new, mode)`` triples (the mode accumulates over slices)."""
-    rt = get_session()
-    if rt.distributed:
+    session = get_session()
+    if session.distributed:
         raise RuntimeError("cannot make new functions after synk.distribute(): functions are replicated "
                            "once. Build every function before calling synk.distribute() (or call "
                            "synk.close() and synk.fork() to start a new session).")
-    with rt.api():
-        f = Function(rt, inputs, bcast_inputs, outputs, updates, givens, sliceable_shareds, kwargs)
-        rt.functions.append(f)
+    with session.api():
+        f = Function(session, inputs, bcast_inputs, outputs, updates, givens, sliceable_shareds, kwargs)
+        session.functions.append(f)
         return f
 
 
@@ -546,12 +545,12 @@ def _graph_items(replicas):
 
 def distribute():
     """Replicate every function and its shared variables in all workers (once)."""
-    rt = get_session()
-    if rt.distributed:
+    session = get_session()
+    if session.distributed:
         raise RuntimeError("synk.distribute() was already called (it can be called once)")
-    with rt.api():
+    with session.api():
         t0 = time.perf_counter()
-        replicas = [f._replica for f in rt.functions]
+        replicas = [f._replica for f in session.functions]
         shareds, seen = [], set()
         for c in replicas:
             for v in c.shareds():
@@ -569,17 +568,17 @@ def distribute():
                             "must be importable by the workers: put them in a module).") from e
         finally:
             sys.setrecursionlimit(old)
-        slc = {id(v) for f in rt.functions for v in f._sliceable}
-        for f in rt.functions:
+        slc = {id(v) for f in session.functions for v in f._sliceable}
+        for f in session.functions:
             f._updates_sliceable = any(id(u) in slc for u in f._replica.update_vars)
-        ctx = rt.ctx
-        ctx.shareds = shareds
-        ctx.replicas = replicas
-        rt.shared_ids = {id(v): i for i, v in enumerate(shareds)}
+        me = session.me
+        me.shareds = shareds
+        me.replicas = replicas
+        session.shared_ids = {id(v): i for i, v in enumerate(shareds)}
         n_keys = len(shareds) + _reserved_keys()        # keys of in-graph collectives after the shareds'
-        ctx.comm.setup(n_keys, _names(shareds))   # before the workers attach to what it creates
-        rt.execute("distribute", (payload, n_keys), what="distribute", patient=True)
-        rt.distributed = True
+        me.comm.setup(n_keys, _names(shareds))   # before the workers attach to what it creates
+        session.execute("distribute", (payload, n_keys), what="distribute", patient=True)
+        session.distributed = True
         print(f"...distribution complete ({time.perf_counter() - t0:.1f} s).", flush=True)
 
 
@@ -623,29 +622,29 @@ def _check_collective_rows(rows, num_slices):
 
 
 @worker_command("distribute")
-def _w_distribute(ctx, payload, n_keys):
+def _w_distribute(me, payload, n_keys):
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 50000))
     _, replicas, shareds = pickle.loads(payload)
     for c in replicas:
-        c.adopt(ctx.device)
-    ctx.replicas, ctx.shareds = replicas, shareds
-    ctx.comm.setup(n_keys, _names(shareds))
+        c.adopt(me.device)
+    me.replicas, me.shareds = replicas, shareds
+    me.comm.setup(n_keys, _names(shareds))
     return None
 
 
 @worker_command("call")
-def _w_call(ctx, wire, then=()):
+def _w_call(me, wire, then=()):
     # the last plan of each function, with its inputs: views of the master's buffers, valid
     # for as long as the buffers are (no batch index: its rows would be gathered copies)
-    cached = ctx.call_cache.get(wire[0])
+    cached = me.call_cache.get(wire[0])
     if cached is not None and cached[0] == wire:
         _, plan, scat, bcast = cached
     else:
         plan = call_from_wire(wire)
-        scat, bcast = ctx.control.inputs(plan.inputs, ctx.replicas[plan.fid].n_scatter, plan.rows, ctx.rank)
+        scat, bcast = me.inputs(plan.inputs, me.replicas[plan.fid].n_scatter, plan.rows)
         if plan.rows.kind == "range" and plan.sel_s is None:
-            ctx.call_cache[plan.fid] = (wire, plan, scat, bcast)
-    res = ctx.replicas[plan.fid].run(ctx, scat, bcast, plan)
+            me.call_cache[plan.fid] = (wire, plan, scat, bcast)
+    res = me.replicas[plan.fid].run(me, scat, bcast, plan)
     if then:
-        follow_up(ctx, then)
+        follow_up(me, then)
     return None if res is None else (arrays_to_wire(res[0]), res[1])

@@ -1,119 +1,38 @@
 """The launcher plane: starting the ranks, telling whether each is alive, stopping them.
 
-Interface: ``start(ranks, argv, env_for)``, ``check()`` (raises ``RankGone`` for a rank
-that exited or has been stopped for ``STOP_GRACE`` seconds), ``info()`` (rank, host, pid)
-and ``stop(graceful)``.  Workers watch their master with ``master_watch``.
-
-Implementation here: ``SubprocessLauncher`` (worker processes on this host, started with
-``subprocess``; the master is a rank too).  Processes that are not MPI ranks never inherit
-the variables an MPI launcher set for this one: MPI_Init would fail in them."""
-import os
-import socket
-import subprocess
-import time
-
-from .errors import MasterDied
-
-STOP_GRACE = 1.0          # a process stopped this long (SIGSTOP, a debugger) is reported
-_STATE_EVERY = 0.25       # seconds between reads of /proc/PID/stat
-_MPI_ENV = ("PMI_", "PMIX_", "MPI_LOCAL", "MPIR_", "HYDRA_", "OMPI_", "I_MPI_")
+Implementations (wired by ``synkhronos.backends``): ``subprocess``
+(``backends.host.launcher``: worker processes of this host, children of the master) and
+``mpi`` (``backends.mpi.launcher``: this host's workers, and the other hosts' ranks as
+their agents report them)."""
+from typing import Callable, Iterable, Optional, Protocol, runtime_checkable
 
 
 class RankGone(Exception):
-    """Internal: ``rank`` exited (``returncode``) or is stopped (``stopped`` seconds)."""
+    """A launcher's report: ``rank`` exited (``returncode``) or has been stopped for
+    ``stopped`` seconds, on ``host`` (None: this host).  The session turns it into
+    ``WorkerDied`` / ``WorkerStopped``."""
 
-    def __init__(self, rank, returncode=None, stopped=None, host=None):
+    def __init__(self, rank: int, returncode: Optional[int] = None, stopped: Optional[float] = None,
+                 host: Optional[str] = None):
         super().__init__(rank, returncode, stopped)
         self.rank, self.returncode, self.stopped, self.host = rank, returncode, stopped, host
 
 
-def clean_env(env):
-    """``env`` without the variables of an MPI launcher."""
-    return {k: v for k, v in env.items() if not k.startswith(_MPI_ENV)}
+@runtime_checkable
+class Launcher(Protocol):
+    """Starts and watches the worker processes of a session."""
 
+    host: str           # the host the master runs on
 
-def process_state(pid):
-    """The one-letter state of ``pid`` from /proc (R, S, D, T, t, Z …), None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            s = fh.read()
-    except OSError:
-        return None
-    return s[s.rindex(b")") + 2:s.rindex(b")") + 3].decode()
+    def start(self, ranks: Iterable[int], argv: Callable[[int], list], env_for: Callable[[int], dict]) -> None:
+        """Start one process per rank: ``argv(rank)`` its command line, ``env_for(rank)``
+        its environment."""
 
+    def check(self) -> None:
+        """Raise ``RankGone`` for the first rank found exited or stopped."""
 
-class Launcher:
-    """Interface of a launcher."""
+    def info(self) -> list:
+        """``[(rank, host, pid)]`` of the ranks this launcher started (and knows of)."""
 
-    def start(self, ranks, argv, env_for):
-        raise NotImplementedError
-
-    def check(self):
-        """Raise RankGone for the first rank found exited or stopped."""
-
-    def info(self):
-        """``[(rank, host, pid)]`` of the ranks this launcher started."""
-        return []
-
-    def stop(self, graceful=True):
-        pass
-
-
-class SubprocessLauncher(Launcher):
-    """Worker processes on this host, children of the master."""
-
-    def __init__(self):
-        self.procs = {}
-        self.host = socket.gethostname()
-        self._stopped_since = {}
-        self._next_state = 0.0
-
-    def start(self, ranks, argv, env_for):
-        # each worker in a process group of its own: a launcher that kills its job by
-        # process group (MPI's, a batch system's) leaves them the moment to see their master
-        # gone and free the session's shared memory; Ctrl-C in a terminal reaches only the
-        # master, which stops them
-        for r in ranks:
-            self.procs[r] = subprocess.Popen(argv(r), env=clean_env(env_for(r)), stdin=subprocess.DEVNULL,
-                                             close_fds=True, process_group=0)
-
-    def check(self):
-        for r, p in self.procs.items():
-            rc = p.poll()
-            if rc is not None:
-                raise RankGone(r, returncode=rc)
-        now = time.monotonic()
-        if now < self._next_state:
-            return
-        self._next_state = now + _STATE_EVERY
-        for r, p in self.procs.items():
-            state = process_state(p.pid)
-            if state in ("T", "t"):
-                since = self._stopped_since.setdefault(r, now)
-                if now - since >= STOP_GRACE:
-                    raise RankGone(r, stopped=now - since)
-            else:
-                self._stopped_since.pop(r, None)
-
-    def info(self):
-        return [(r, self.host, p.pid) for r, p in sorted(self.procs.items())]
-
-    def stop(self, graceful=True):
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=5.0 if graceful else 0.2)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:  # pragma: no cover - unkillable process
-                pass
-
-
-def master_watch(master_pid):
-    """A worker's liveness check of its master (its parent process)."""
-    def check():
-        if os.getppid() != master_pid:
-            raise MasterDied("master process is gone")
-    return check
+    def stop(self, graceful: bool = True) -> None:
+        """Wait for the ranks to exit (briefly unless ``graceful``), then kill what is left."""

@@ -1,9 +1,13 @@
 """What one process holds to act as a rank, master or worker: its device, control and comm
-planes, and the shared variables and functions every rank holds in the same order.
+planes, and the shared variables and functions every rank holds in the same order.  By
+convention a ``Rank`` is called ``me`` (the first argument of every worker command; the
+master's is ``session.me``).
 
 ``current()`` is the rank this process is acting as while it runs its share of a command
 (always, in a worker; in the master only inside a command), else None: code that runs
 inside compiled graphs (collective ops) uses it to reach the comm plane."""
+from . import shards
+
 _current = None
 
 
@@ -37,6 +41,7 @@ class Rank:
         self.pending = None    # (seq, {var: new value}) of a command's updates, until settled
         self.call_cache = {}   # function id -> (wire plan, plan, its input views): a worker's last call
         self.seq = 0           # the command this rank is running (or ran last)
+        self.extras = {}       # state that extensions keep on this rank, by name
 
     is_master = property(lambda self: self.rank == self.master_rank)
 
@@ -49,6 +54,14 @@ class Rank:
     def view(self, ref):
         """The local array of an ``ArrayRef``."""
         return self.control.array(ref)
+
+    def inputs(self, refs, n_scatter, rows):
+        """This rank's rows of a call's scattered inputs (``refs[:n_scatter]``, selected by
+        the ``plans.Rows`` ``rows``) and its whole broadcast inputs."""
+        index = None if rows.index is None else self.view(rows.index)
+        arrays = [self.view(ref) for ref in refs]
+        scat = [shards.take_rows(a, rows, self.rank, mb, index) for a, mb in zip(arrays[:n_scatter], rows.minibatch)]
+        return scat, arrays[n_scatter:]
 
     def hold(self, seq, values):
         """Keep ``values`` (``{shared variable: new value}``: this rank's share of command

@@ -12,9 +12,9 @@ from .commands import worker_command
 MAXD = 16
 
 
-def value(ctx, var):
+def value(me, var):
     """A shared variable's value on this rank, on the host, in the variable's dtype."""
-    live = ctx.device.to_host(ctx.device.get(var))
+    live = me.device.to_host(me.device.get(var))
     dtype = getattr(var.type, "numpy_dtype", None) or np.dtype(var.type.dtype)
     if live.dtype != dtype:
         tmp = np.empty(live.shape, dtype)
@@ -25,24 +25,24 @@ def value(ctx, var):
     return live
 
 
-def _items(ctx, vids):
-    return [(vid, ctx.device.get(ctx.shareds[vid])) if ctx.device.placement != "host"
-            else (vid, value(ctx, ctx.shareds[vid])) for vid in vids]
+def _items(me, vids):
+    return [(vid, me.device.get(me.shareds[vid])) if me.device.placement != "host"
+            else (vid, value(me, me.shareds[vid])) for vid in vids]
 
 
-def _impl(ctx, verb, vids, op=None):
+def _impl(me, verb, vids, op=None):
     if len(vids) == 1:
-        return ctx.comm.pick(verb, ctx.shareds[vids[0]].type.dtype, op, ctx.device.placement)
-    impls = {ctx.comm.pick(verb, ctx.shareds[v].type.dtype, op, ctx.device.placement) for v in vids}
+        return me.comm.pick(verb, me.shareds[vids[0]].type.dtype, op, me.device.placement)
+    impls = {me.comm.pick(verb, me.shareds[v].type.dtype, op, me.device.placement) for v in vids}
     if len(impls) > 1:
         raise TypeError(f"{verb} of variables of different dtypes served by different implementations; "
                         "call it once per dtype")
     return impls.pop()
 
 
-def _install(ctx, vids, results):
+def _install(me, vids, results):
     for vid, res in zip(vids, results):
-        ctx.device.set(ctx.shareds[vid], res)
+        me.device.set(me.shareds[vid], res)
 
 
 def check_static(var, shape, what):
@@ -55,81 +55,81 @@ def check_static(var, shape, what):
                              f"{tuple(shape)} does not fit")
 
 
-def all_reduce(ctx, vids, op):
-    comm = _impl(ctx, "all_reduce", vids, op)
-    _install(ctx, vids, comm.all_reduce(_items(ctx, vids), op, fence=False))
+def all_reduce(me, vids, op):
+    comm = _impl(me, "all_reduce", vids, op)
+    _install(me, vids, comm.all_reduce(_items(me, vids), op, fence=False))
 
 
-def reduce(ctx, vids, op, in_place):
-    comm = _impl(ctx, "reduce", vids, op)
-    res = comm.reduce(_items(ctx, vids), op, ctx.master_rank, in_place=in_place, fence=False)
+def reduce(me, vids, op, in_place):
+    comm = _impl(me, "reduce", vids, op)
+    res = comm.reduce(_items(me, vids), op, me.master_rank, in_place=in_place, fence=False)
     if res is None:
         return None
     if in_place:
-        _install(ctx, vids, res)
+        _install(me, vids, res)
         return None
-    return [ctx.device.to_host(r) for r in res]     # read once the command has ended (no fence)
+    return [me.device.to_host(r) for r in res]     # read once the command has ended (no fence)
 
 
-def broadcast(ctx, vids, values=None):
+def broadcast(me, vids, values=None):
     """``values`` (master only): arrays to broadcast instead of the master's values."""
-    comm = _impl(ctx, "broadcast", vids)
-    if ctx.is_master:
-        arrs = [value(ctx, ctx.shareds[v]) if values is None else values[i] for i, v in enumerate(vids)]
+    comm = _impl(me, "broadcast", vids)
+    if me.is_master:
+        arrs = [value(me, me.shareds[v]) if values is None else values[i] for i, v in enumerate(vids)]
     else:
         arrs = [None] * len(vids)
-    items = [(vid, a, ctx.shareds[vid].type.dtype) for vid, a in zip(vids, arrs)]
-    _install(ctx, vids, comm.broadcast(items, ctx.master_rank, fence=False))
+    items = [(vid, a, me.shareds[vid].type.dtype) for vid, a in zip(vids, arrs)]
+    _install(me, vids, comm.broadcast(items, me.master_rank, fence=False))
 
 
-def gather(ctx, vids):
-    comm = _impl(ctx, "gatherv", vids)
-    return comm.gatherv(_items(ctx, vids), ctx.master_rank, fence=False)
+def gather(me, vids):
+    comm = _impl(me, "gatherv", vids)
+    return comm.gatherv(_items(me, vids), me.master_rank, fence=False)
 
 
-def all_gather(ctx, vids):
-    comm = _impl(ctx, "all_gatherv", vids)
-    results = comm.all_gatherv(_items(ctx, vids), fence=False)
+def all_gather(me, vids):
+    comm = _impl(me, "all_gatherv", vids)
+    results = comm.all_gatherv(_items(me, vids), fence=False)
     for vid, res in zip(vids, results):
-        check_static(ctx.shareds[vid], res.shape, "all_gather")
-    _vote_install(ctx, vids, results)
+        check_static(me.shareds[vid], res.shape, "all_gather")
+    _vote_install(me, vids, results)
 
 
-def _vote_install(ctx, vids, results):
+def _vote_install(me, vids, results):
     from .errors import Aborted
-    results = [ctx.device.to_device(r) for r in results]
-    if not ctx.control.vote(True, on_commit=lambda: _install(ctx, vids, results)):
+    results = [me.device.to_device(r) for r in results]
+    if not me.control.vote(True, on_commit=lambda: _install(me, vids, results)):
         raise Aborted("another rank failed during this collective")
 
 
-def scatter(ctx, vids, plan):
+def scatter(me, vids, plan):
     """Every rank takes its rows of each value (``plans.ScatterPlan``)."""
     parts = []
     for ref, rows in zip(plan.values, plan.rows):
-        index = None if rows.index is None else ctx.view(rows.index)
-        parts.append(np.array(shards.take_rows(ctx.view(ref), rows, ctx.rank, False, index), copy=True))
-    _vote_install(ctx, vids, parts)
+        index = None if rows.index is None else me.view(rows.index)
+        parts.append(np.array(shards.take_rows(me.view(ref), rows, me.rank, False, index), copy=True))
+    _vote_install(me, vids, parts)
 
 
-def set_value(ctx, vids, plan):
+def set_value(me, vids, plan):
     """Rank ``plan.rank`` takes the values (``plans.SetValuePlan``)."""
-    if ctx.rank != plan.rank:
+    if me.rank != plan.rank:
         return
     sel = plan.select
-    index = None if sel is None or sel[0] != "index" else ctx.view(sel[1])
+    index = None if sel is None or sel[0] != "index" else me.view(sel[1])
     for vid, ref in zip(vids, plan.values):
-        src = shards.select(ctx.view(ref), sel, index)
-        ctx.device.set(ctx.shareds[vid], ctx.device.to_device(np.array(src, copy=True)))
+        src = shards.select(me.view(ref), sel, index)
+        me.device.set(me.shareds[vid], me.device.to_device(np.array(src, copy=True)))
 
 
-def get_value(ctx, vids, rank):
-    if ctx.rank != rank:
+def get_value(me, vids, rank):
+    if me.rank != rank:
         return None
-    return [np.array(value(ctx, ctx.shareds[v]), copy=True) for v in vids]
+    return [np.array(value(me, me.shareds[v]), copy=True) for v in vids]
 
 
-def shapes(ctx, vids):
-    return [tuple(np.shape(ctx.device.get(ctx.shareds[v]))) for v in vids]
+def shapes(me, vids):
+    return [tuple(np.shape(me.device.get(me.shareds[v]))) for v in vids]
 
 
 OPS = {"all_reduce": all_reduce, "reduce": reduce, "broadcast": broadcast, "gather": gather,
@@ -138,5 +138,5 @@ OPS = {"all_reduce": all_reduce, "reduce": reduce, "broadcast": broadcast, "gath
 
 
 @worker_command("coll")
-def _w_coll(ctx, op, vids, args):
-    return OPS[op](ctx, vids, *args)
+def _w_coll(me, op, vids, args):
+    return OPS[op](me, vids, *args)

@@ -43,10 +43,10 @@ class Replica:
                              "give batch_s or make them equal")
         return lens.pop()
 
-    def run(self, ctx, scat, bcast, plan):
-        """Compute rank ``ctx.rank``'s share from its rows ``scat`` of the scattered inputs and
+    def run(self, me, scat, bcast, plan):
+        """Compute rank ``me.rank``'s share from its rows ``scat`` of the scattered inputs and
         the broadcast inputs ``bcast``.  Returns ``(outputs, rows)``, or None without rows."""
-        rank, device = ctx.rank, ctx.device
+        rank, device = me.rank, me.device
         ns = self.n_scatter
         rows = plan.rows.bounds[rank + 1] - plan.rows.bounds[rank] if ns else None
         sel = None if plan.sel_s is None else plan.sel_s[rank]
@@ -78,9 +78,9 @@ class Replica:
         n_out = self.n_out
         news = outs[n_out:]
         if self.update_vars:
-            ctx.hold(ctx.seq, dict(zip(self.update_vars, news)))
+            me.hold(me.seq, dict(zip(self.update_vars, news)))
         res = [device.to_host(o) for o in outs[:n_out]]
-        if not ctx.is_master and plan.send is not None:      # outputs the master will not use
+        if not me.is_master and plan.send is not None:      # outputs the master will not use
             res = [o if plan.send[i] else None for i, o in enumerate(res)]
         return res, (1 if rows is None else rows)
 
@@ -141,31 +141,31 @@ def _no_input_plan(n):
     return CallPlan(-1, (), Rows("range", (0,) * (n + 1)), None, 1, None)
 
 
-def follow_up(ctx, steps):
+def follow_up(me, steps):
     """What a call chains in the same command on every rank, after the function's share:
     ``("all_reduce", var index, op)`` of a variable's new value (its pending update), then
     ``("run", function id)`` of a function without inputs, and ``("ext", name, *args)``:
     the function an extension registered as command ``name`` (``commands.handler``),
-    called with ``(ctx, *args)``.  A training step is then one round trip: gradient,
+    called with ``(me, *args)``.  A training step is then one round trip: gradient,
     all-reduce, update rule.  Updates stay pending until the master commits (every rank
     succeeded), so the step is all-or-nothing."""
     for step in steps:
         if step[0] == "all_reduce":
             _, vid, op = step
-            var = ctx.shareds[vid]
-            value = ctx.pending_value(var)
-            comm = ctx.comm.pick("all_reduce", var.type.dtype, op, ctx.device.placement)
-            if ctx.device.placement == "host":
+            var = me.shareds[vid]
+            value = me.pending_value(var)
+            comm = me.comm.pick("all_reduce", var.type.dtype, op, me.device.placement)
+            if me.device.placement == "host":
                 value = np.asarray(value)
             # scratch: no vote of its own (nothing of the step applies before the master's
             # commit, once every rank succeeded), so a master waiting here stays interruptible
             [res] = comm.all_reduce([(vid, value)], op, fence=True, scratch=True)
-            ctx.device.set(var, res)            # the next step reads it
-            ctx.hold(ctx.seq, {var: res})
+            me.device.set(var, res)            # the next step reads it
+            me.hold(me.seq, {var: res})
         elif step[0] == "run":
-            ctx.replicas[step[1]].run(ctx, [], [], _no_input_plan(ctx.n))
+            me.replicas[step[1]].run(me, [], [], _no_input_plan(me.n))
         elif step[0] == "ext":              # an extension's step: ("ext", command name, *args)
             from .commands import handler
-            handler(step[1])(ctx, *step[2:])
+            handler(step[1])(me, *step[2:])
         else:
             raise ValueError(f"unknown follow-up step {step!r}")

@@ -9,7 +9,6 @@ confused with the current ones), and state changes of a call are committed on ev
 only once every rank has succeeded (``commit``; workers apply theirs when the next
 command tells them to)."""
 import atexit
-import json
 import os
 import signal
 import sys
@@ -20,14 +19,15 @@ from dataclasses import dataclass
 from . import signals
 import numpy as np
 
-from .control import DEFAULT_STALL, Waiter, env_seconds, spin_seconds
+from . import backends
 from .debug import DebugMismatch, compare, fingerprint
 from .debug import enabled as debug_enabled
-from .device import select_device
 from .errors import (Aborted, ForeignSession, StallTimeout, SynkError, WorkerDied,
                      WorkerError, WorkerStopped)
-from .launcher import RankGone, SubprocessLauncher
+from .launcher import RankGone
+from .messages import Command
 from .rank import Rank, run_share
+from .waiting import DEFAULT_STALL, Waiter, env_seconds, spin_seconds
 
 _session = None
 IN_WORKER = False  # set by synkhronos.worker
@@ -38,30 +38,30 @@ class NestedCall(SynkError):
 
 
 class _ApiScope:
-    __slots__ = ("s", "require_distributed")
+    __slots__ = ("session", "require_distributed")
 
-    def __init__(self, s, require_distributed):
-        self.s, self.require_distributed = s, require_distributed
+    def __init__(self, session, require_distributed):
+        self.session, self.require_distributed = session, require_distributed
 
     def __enter__(self):
-        s = self.s
-        s.lock.acquire()
+        session = self.session
+        session.lock.acquire()
         try:
-            if s._depth and s._owner == threading.get_ident():
+            if session.depth and session.owner == threading.get_ident():
                 raise NestedCall("synkhronos was called while another synkhronos call is in progress on "
                                  "this thread (from a signal handler or a callback?); the outer call is "
                                  "interrupted. Call synkhronos outside of signal handlers.")
-            s.check_usable(self.require_distributed)
+            session.check_usable(self.require_distributed)
         except BaseException:
-            s.lock.release()
+            session.lock.release()
             raise
-        s._depth += 1
-        s._owner = threading.get_ident()
-        return s
+        session.depth += 1
+        session.owner = threading.get_ident()
+        return session
 
     def __exit__(self, *exc):
-        self.s._depth -= 1
-        self.s.lock.release()
+        self.session.depth -= 1
+        self.session.lock.release()
 
 
 class _Inflight:
@@ -79,20 +79,20 @@ class Session:
 
     CHECK_EVERY = 0.002            # seconds between liveness checks outside waits
 
-    def __init__(self, device, master_rank, profile_workers=False, debug=False, stall=DEFAULT_STALL,
+    def __init__(self, topology, master_rank, profile_workers=False, debug=False, stall=DEFAULT_STALL,
                  timeout=None, spin=None):
-        from .backends import local_backend
-        self.device = device
-        self.n = device.n
+        self.topology = topology       # backends.Topology: where the ranks run
+        self.device = topology.device
+        self.n = self.device.n
         self.rank = self.master_rank = master_rank
         self.pid = os.getpid()
         self.profile_workers = profile_workers
         self.debug = debug
         self.debug_log = []            # per command: {rank: fingerprint} (debug mode only)
         self.waiter = Waiter(self._check, stall, timeout, spin=spin)
-        self.launcher = SubprocessLauncher()
-        self.backend = local_backend
-        self.ctx = None
+        self.planes = None             # backends.Planes, once started
+        self.launcher = None
+        self.me = None                 # the Rank the master acts as
         self.closed = False
         self.distributed = False
         self.functions = []
@@ -105,49 +105,40 @@ class Session:
         self.scratch = {}              # reusable staging Data of the collectives
         self._next_check = 0.0         # (``_check``)
         self.lock = threading.RLock()  # one command at a time, whichever thread calls
-        self._depth, self._owner = 0, None
+        self.depth, self.owner = 0, None   # (``api``: nested calls of one thread)
         self.saved_signals = {}
         self.lengths = LengthCache()
         self.closed_cleanly = False
-        self.mpi_hosts = None
 
-    shareds = property(lambda self: self.ctx.shareds)
+    shareds = property(lambda self: self.me.shareds)
 
     # ---- life cycle ------------------------------------------------------------------------
     def start(self, timeout):
-        self.info = self.backend.create(self)
-        if self.info.launcher is not None:
-            self.launcher = self.info.launcher
-        self.ctx = Rank(self.rank, self.n, self.master_rank, self.device, self.info.control, self.info.comm)
-        pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        cfg = dict(self.info.worker_config, n=self.n, master_rank=self.master_rank, master_pid=self.pid,
-                   device=self.device.config(), sys_path=[p for p in sys.path if p],
-                   profile=self.profile_workers, debug=self.debug, stall=self.waiter.stall,
-                   timeout=self.waiter.timeout, spin=self.waiter.spin)
+        settings = dict(sys_path=[p for p in sys.path if p], profile=self.profile_workers, debug=self.debug,
+                        stall=self.waiter.stall, timeout=self.waiter.timeout, spin=self.waiter.spin)
+        spec = backends.MasterSpec(self.topology, self.master_rank, self.waiter, self._check, settings)
+        planes = self.planes = backends.create_master(spec)
+        self.launcher = planes.launcher
+        self.me = Rank(self.rank, self.n, self.master_rank, self.device, planes.control, planes.comm)
+        cfg = dict(planes.worker_config, n=self.n, master_rank=self.master_rank, master_pid=self.pid,
+                   device=self.device.config(), **settings)
 
         def env_for(r):
-            env = dict(os.environ)
-            env.update(self.device.worker_env(r))
-            # the session's names go through the environment, which only this user can read
-            # (/proc/PID/environ), not the command line, which every user can
-            rank_cfg = cfg if self.info.rank_config is None else dict(cfg, **self.info.rank_config(r))
-            env["SYNK_WORKER_CONFIG"] = json.dumps(rank_cfg)
-            env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-            return env
+            rank_cfg = cfg if planes.rank_config is None else dict(cfg, **planes.rank_config(r))
+            return backends.worker_environment(rank_cfg, self.device.worker_env(r))
 
-        argv = lambda r: [sys.executable, "-P", "-m", "synkhronos.worker", json.dumps({"rank": r})]  # noqa: E731
         try:
-            local = self.ctx.control.workers if self.info.local_workers is None else self.info.local_workers
-            self.launcher.start(local, argv, env_for)
-            self.device.init_master(self.rank)
+            local = self.me.control.workers if planes.local_workers is None else planes.local_workers
+            self.launcher.start(local, backends.worker_argv, env_for)
+            self.device.init_master(self.rank, close)
             start_waiter = Waiter(self._check, None, timeout)
-            ctl = self.ctx.control
+            ctl = self.me.control
             errors = {}
             saved, ctl.waiter = ctl.waiter, start_waiter
             try:
-                for r, (status, payload) in ctl.collect(0, ctl.workers, "start-up"):
-                    if status != "ok":
-                        errors[r] = payload
+                for r, reply in ctl.collect(0, ctl.workers, "start-up"):
+                    if reply.status != "ok":
+                        errors[r] = reply.value
             finally:
                 ctl.waiter = saved
             if errors:
@@ -168,10 +159,10 @@ class Session:
     def _startup_error(self, rank):
         """The error a worker that died during start-up replied with, if any."""
         try:
-            reply = self.ctx.control.peek(0, rank)
+            reply = self.me.control.peek(0, rank)
         except Exception:
             return None
-        return reply[1] if reply is not None and reply[0] != "ok" else None
+        return reply.value if reply is not None and reply.status != "ok" else None
 
     def _check(self):
         """Raise RankGone for a lost worker.  Between commands at most every ``CHECK_EVERY``
@@ -192,18 +183,19 @@ class Session:
         if self.closed:
             return
         self.closed = True
-        ctx = self.ctx
-        if ctx is not None and graceful and ctx.control.workers and self.launcher.info():
+        me = self.me
+        if me is not None and graceful and me.control.workers and self.launcher.info():
             try:
                 quick = Waiter(self._check, None, 5.0)
-                ctx.control.waiter = quick
+                me.control.waiter = quick
                 self._finish_inflight("close")
                 self._send("quit", ())
                 self._collect_all("close")
                 self.closed_cleanly = True
             except BaseException:
                 pass
-        self.launcher.stop(graceful)
+        if self.launcher is not None:
+            self.launcher.stop(graceful)
         self.device.release_master()
         signals.unwrap()
         for sig, handler in self.saved_signals.items():
@@ -212,10 +204,11 @@ class Session:
                     signal.signal(sig, handler)
             except ValueError:
                 pass
-        if ctx is not None:
-            ctx.comm.close()
-            ctx.control.close()
-        self.backend.remove(self)
+        if me is not None:
+            me.comm.close()
+            me.control.close()
+        if self.planes is not None:
+            backends.remove(self.planes, self.closed_cleanly)
         global _session
         if _session is self:
             _session = None
@@ -240,18 +233,18 @@ class Session:
     # ---- commands --------------------------------------------------------------------------
     def _send(self, name, args, needs=()):
         """Record, then send, command ``name``; returns its sequence number."""
-        ctl = self.ctx.control
+        ctl = self.me.control
         seq = ctl.committed() + 1
         forget, self.forget = self.forget, []
         settle, self.settle = self.settle, None
         self.inflight = _Inflight(seq, ctl.workers, forget, settle)
-        ctl.send(seq, (name, args, forget, settle), needs)
+        ctl.send(seq, Command(name, args, forget, settle), needs)
         self.commands_sent[name] = self.commands_sent.get(name, 0) + 1
         return seq
 
     def _collect_all(self, what):
         inf = self.inflight
-        for r, reply in self.ctx.control.collect(inf.seq, list(inf.owed), what):
+        for r, reply in self.me.control.collect(inf.seq, list(inf.owed), what):
             inf.replies[r] = reply
             inf.owed.remove(r)
         self.inflight = None
@@ -263,7 +256,7 @@ class Session:
         inf = self.inflight
         if inf is None:
             return
-        ctl = self.ctx.control
+        ctl = self.me.control
         if ctl.committed() != inf.seq:         # interrupted before the workers could see it
             self.forget = inf.forget + self.forget
             self.settle = inf.settle
@@ -292,34 +285,34 @@ class Session:
             finally:
                 self.waiter.timeout = saved
         what = what or name
-        ctx = self.ctx
+        me = self.me
         local_result = local_exc = None
         try:
             self._finish_inflight(what)
             self._check()
-            ctx.seq = ctx.control.committed() + 1
+            me.seq = me.control.committed() + 1
             if master_first and local is not None:
                 # the first call compiles: a Ctrl-C inside LLVM can crash the process, so
                 # signals wait until the compile is done (``busy`` shows that it is alive)
                 with signals.deferred():
-                    local_result = run_share(ctx, local)
+                    local_result = run_share(me, local)
                 local = None
             if name != "call":
                 self.lengths.clear()          # a collective may change workers' lengths
             if self.debug:
-                fp = fingerprint(ctx.seq, name, args, ctx.shareds)
+                fp = fingerprint(me.seq, name, args, me.shareds)
             seq = self._send(name, args, needs)
             self.settle = (seq, False)
             if local is not None or after is not None:
                 try:
                     if local is not None:
-                        local_result = run_share(ctx, local)
+                        local_result = run_share(me, local)
                     if after is not None:
-                        run_share(ctx, after)
+                        run_share(me, after)
                 except (RankGone, StallTimeout):
                     raise
                 except BaseException as e:
-                    ctx.control.abort(seq)     # workers leave their barriers and votes
+                    me.control.abort(seq)     # workers leave their barriers and votes
                     if _is_interrupt(e):
                         raise
                     local_exc = e
@@ -328,7 +321,7 @@ class Session:
             except (RankGone, StallTimeout):
                 raise
             except BaseException:              # interrupted: collected by the next command
-                ctx.control.abort(seq)
+                me.control.abort(seq)
                 raise
         except RankGone as g:
             self._close_after_loss()
@@ -343,9 +336,9 @@ class Session:
             signals.restore_interrupt(e)
             raise
         signals.release()            # held since a commit: the command is complete everywhere
-        errors = {r: rep[1] for r, rep in replies.items() if rep[0] == "err"}
+        errors = {r: rep.value for r, rep in replies.items() if rep.status == "err"}
         if self.debug:
-            fps = {r: rep[2] if len(rep) > 2 else None for r, rep in replies.items()}
+            fps = {r: rep.fingerprint for r, rep in replies.items()}
             fps[self.rank] = fp
             self.debug_log.append(fps)
             try:
@@ -361,7 +354,7 @@ class Session:
             raise local_exc
         if errors:
             raise WorkerError(errors, what)
-        return local_result, {r: rep[1] for r, rep in replies.items()}
+        return local_result, {r: rep.value for r, rep in replies.items()}
 
     def commit(self):
         """Apply what the last command left pending, on every rank: here now, in the workers
@@ -369,16 +362,16 @@ class Session:
         settle = self.settle
         if settle is None or settle[1]:
             return
-        if self.ctx.pending is None:
+        if self.me.pending is None:
             self.settle = (settle[0], True)          # one assignment: nothing to split
             return
         with signals.deferred():
             self.settle = (settle[0], True)
-            self.ctx.settle(self.settle)
+            self.me.settle(self.settle)
 
     def _close_after_loss(self):
         try:
-            self.ctx.control.abort()
+            self.me.control.abort()
         except Exception:
             pass
         self.shutdown(graceful=False)
@@ -408,11 +401,11 @@ class LengthCache:
 
 def get_session(require_distributed=False):
     """The active session, or a RuntimeError saying what to call first."""
-    s = _session
-    if s is None or s.closed:
+    session = _session
+    if session is None or session.closed:
         raise RuntimeError("synkhronos is not forked: call synk.fork() first")
-    s.check_usable(require_distributed)
-    return s
+    session.check_usable(require_distributed)
+    return session
 
 
 def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
@@ -446,44 +439,23 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
     spin = spin_seconds(spin)
     if mode is None:
         mode = os.environ.get("SYNK_MODE") or None
-    backend, mpi_hosts = _backend_for(n_parallel, use_gpu)
-    if mpi_hosts is not None:
-        sizes = mpi_hosts[0]               # CPU ranks on every host (GPUs + MPI: not yet)
-        device = select_device(sum(sizes), False, mode, local_n=sizes[0])
-    else:
-        device = select_device(n_parallel, use_gpu, mode)
+    topology = backends.plan(n_parallel, use_gpu, mode, _close_open_session)
+    device = topology.device
     if isinstance(master_rank, (bool, np.bool_)) or not isinstance(master_rank, (int, np.integer)) \
             or not 0 <= master_rank < device.n:
         raise ValueError(f"master_rank must be an int in [0, {device.n - 1}], got {master_rank!r}")
     master_rank = int(master_rank)
-    backend.reap()
-    s = Session(device, master_rank, profile_workers, debug_enabled(debug), stall, timeout, spin)
-    s.backend, s.mpi_hosts = backend, mpi_hosts
-    _session = s
+    backends.reap(topology.name)
+    session = Session(topology, master_rank, profile_workers, debug_enabled(debug), stall, timeout, spin)
+    _session = session
     try:
-        s.start(start_timeout)
+        session.start(start_timeout)
     except BaseException:
         _session = None
         raise
-    _exit_on_termination(s)
+    _exit_on_termination(session)
     print(f"Synkhronos: {device.describe()}, master rank {master_rank}.", flush=True)
     return device.n
-
-
-def _backend_for(n_parallel, use_gpu):
-    """(backend, hosts): ``mpi`` when this process is one of several started by mpiexec
-    (the other MPI processes serve as their hosts' agents: fork() never returns there)."""
-    from .backends import local_backend, mpi
-    if not mpi.launched():
-        return local_backend, None
-    w = mpi.world()
-    if w.rank != 0:
-        mpi.serve_host()                       # never returns: the process exits there
-    if use_gpu:
-        raise NotImplementedError("GPUs across several machines are not supported yet: use CPU ranks "
-                                  "(use_gpu=False) under mpiexec")
-    atexit.register(mpi.finish)
-    return mpi.mpi_backend, mpi.hosts(n_parallel if n_parallel is None else int(n_parallel))
 
 
 def _seconds(value, name, env, default):
@@ -494,7 +466,7 @@ def _seconds(value, name, env, default):
     return float(value) or None
 
 
-def _exit_on_termination(s):
+def _exit_on_termination(session):
     """SIGTERM/SIGHUP (a cancelled job, a closed terminal) would kill the master without
     running close(); turn them into SystemExit so close() removes the workers and buffers.
     Only default handlers are replaced, and they are restored by close()."""
@@ -505,7 +477,7 @@ def _exit_on_termination(s):
                 saved[sig] = signal.signal(sig, _raise_exit)
         except ValueError:          # not the main thread: leave signals alone
             pass
-    s.saved_signals = saved
+    session.saved_signals = saved
 
 
 def _raise_exit(signum, frame):
@@ -535,21 +507,21 @@ class SessionInfo:
 def session_info():
     """A description of the current session (its ranks' hosts and processes, commands sent,
     the names of its shared resources), or None when there is none.  For diagnostics."""
-    s = _session
-    if s is None or s.pid != os.getpid():
+    session = _session
+    if session is None or session.pid != os.getpid():
         return None
-    ranks = [RankInfo(r, h, p) for r, h, p in s.launcher.info()]
-    ranks.append(RankInfo(s.rank, s.launcher.host, s.pid))
-    info = getattr(s, "info", None)
-    return SessionInfo(not s.closed, s.distributed, s.n, s.master_rank,
-                       tuple(sorted(ranks, key=lambda i: i.rank)), dict(s.commands_sent), s.debug,
-                       dict(info.resources) if info is not None else {})
+    ranks = [RankInfo(r, h, p) for r, h, p in session.launcher.info()]
+    ranks.append(RankInfo(session.rank, session.launcher.host, session.pid))
+    planes = session.planes
+    return SessionInfo(not session.closed, session.distributed, session.n, session.master_rank,
+                       tuple(sorted(ranks, key=lambda i: i.rank)), dict(session.commands_sent), session.debug,
+                       dict(planes.resources) if planes is not None else {})
 
 
 def debug_log():
     """Fingerprints of every command so far ({rank: fingerprint} each), in debug mode."""
-    s = _session
-    return [] if s is None else list(s.debug_log)
+    session = _session
+    return [] if session is None else list(session.debug_log)
 
 
 def close():
@@ -557,10 +529,19 @@ def close():
 
     In a process forked from the session's (``os.fork``, multiprocessing), it does nothing:
     the session is the parent's."""
-    s = _session
-    if s is not None and s.pid == os.getpid():
-        with s.lock:
-            s.shutdown(graceful=True)
+    session = _session
+    if session is not None and session.pid == os.getpid():
+        with session.lock:
+            session.shutdown(graceful=True)
+
+
+def _close_open_session():
+    """Close this process's session; whether there was one (at exit of an MPI job)."""
+    session = _session
+    if session is None or session.pid != os.getpid():
+        return False
+    close()
+    return True
 
 
 atexit.register(close)

@@ -12,76 +12,83 @@ import signal
 import sys
 import traceback
 
-from . import session, signals
-from .backends import backend_named
-from .commands import handler, worker_command
-from .control import Waiter
-from .debug import fingerprint
-from .device import generated_src_dir, make_device
-from .errors import Aborted, MasterDied
-from .launcher import master_watch
+from . import backends, session, signals
 from . import rank as rank_module
+from .commands import handler, worker_command
+from .compiling import generated_src_dir
+from .debug import fingerprint
+from .errors import Aborted, MasterDied
+from .messages import Reply
 from .rank import Rank
+from .waiting import Waiter
 
 
 @worker_command("quit")
-def _quit(ctx):
+def _quit(me):
     return None
 
 
+def _master_watch(master_pid):
+    """A worker's liveness check of its master (its parent process)."""
+    def check():
+        if os.getppid() != master_pid:
+            raise MasterDied("master process is gone")
+    return check
+
+
 def serve(cfg):
-    backend = backend_named(cfg["backend"])
     rank = cfg["rank"]
-    waiter = Waiter(master_watch(cfg["master_pid"]), None, None, spin=cfg.get("spin"))   # the master watches for stalls
-    control, comm = backend.attach(cfg, rank, waiter)
+    waiter = Waiter(_master_watch(cfg["master_pid"]), None, None, spin=cfg.get("spin"))   # the master watches for stalls
+    control = backends.attach_control(cfg, rank, waiter)
     debug = cfg.get("debug", False)
     try:
-        device = make_device(cfg["device"], cfg["n"])
+        device = backends.make_device(cfg.get("device") or {"kind": "cpu"}, cfg["n"])
+        comm = backends.attach_comm(cfg, rank, control, device)
         device.init_worker(rank)
-        ctx = Rank(rank, cfg["n"], cfg["master_rank"], device, control, comm)
-        rank_module.become(ctx)
+        me = Rank(rank, cfg["n"], cfg["master_rank"], device, control, comm)
+        rank_module.become(me)
         from . import function, rankops  # noqa: F401  (register their commands)
         import pytensor  # (import before the first command, not during it)
         pytensor.config.generated_src_dir = generated_src_dir()
-        control.reply(0, ("ok", os.getpid()))
+        control.reply(0, Reply("ok", os.getpid()))
     except BaseException:
-        control.reply(0, ("err", traceback.format_exc()))
+        control.reply(0, Reply("err", traceback.format_exc()))
         return 1
     while True:
         try:
-            seq, (name, args, forget, settle) = control.receive()
+            seq, command = control.receive()
         except MasterDied:
-            backend.worker_exit(cfg)
+            backends.worker_exit(cfg)
             return 0
         except Exception:          # could not read the command (e.g. out of file descriptors)
             control.abort()
-            control.reply(control.seq, ("err", traceback.format_exc()))
+            control.reply(control.seq, Reply("err", traceback.format_exc()))
             continue
-        ctx.seq = seq
+        me.seq = seq
         fp = None
         try:
-            ctx.settle(settle)
-            ctx.forget(forget)
+            me.settle(command.settle)
+            me.forget(command.forget)
             if debug:
-                fp = fingerprint(seq, name, args, ctx.shareds)
-            reply = ("ok", handler(name)(ctx, *args))
+                fp = fingerprint(seq, command.name, command.args, me.shareds)
+            reply = Reply("ok", handler(command.name)(me, *command.args))
         except Aborted:
-            reply = ("aborted", None)
+            reply = Reply("aborted")
         except MasterDied:
-            backend.worker_exit(cfg)
+            backends.worker_exit(cfg)
             return 0
         except BaseException:
             control.abort()
-            reply = ("err", traceback.format_exc())
+            reply = Reply("err", traceback.format_exc())
         finally:
             signals.release()
         if debug:
-            reply = reply + (fp,)
+            reply = reply._replace(fingerprint=fp)
         try:
             control.reply(seq, reply)
         except BaseException:
-            control.reply(seq, ("err", traceback.format_exc()))
-        if name == "quit":
+            control.reply(seq, Reply("err", traceback.format_exc()))
+        if command.name == "quit":
             control.close()
             comm.close()
             return 0

@@ -65,8 +65,8 @@ def build(n):
 
 
 def comm_name(verb, dtype, op=None):
-    ctx = session._session.ctx
-    return ctx.comm.pick(verb, dtype, op, ctx.device.placement).name
+    me = session.get_session().me
+    return me.comm.pick(verb, dtype, op, me.device.placement).name
 
 
 def scenario_values(n):
@@ -141,7 +141,7 @@ def scenario_values(n):
 
 def scenario_kill_in_collective(n):
     """A worker dies while the master is inside an XLA all_reduce."""
-    from synkhronos.backends import xla_comm
+    from synkhronos.backends.jax import xla_comm
     shareds, w, f, g = build(n)
     synk.all_reduce(w, "sum")                  # connections established
     victim = [r.pid for r in synk.session_info().ranks if r.rank == 1][0]

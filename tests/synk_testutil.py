@@ -6,7 +6,7 @@ import tempfile
 import time
 
 import synkhronos as synk
-from synkhronos.backends import shm
+from synkhronos.backends.shm import segments as shm
 
 # Every new session prefix is appended to this file by synkhronos (SYNK_PREFIX_LOG), in this
 # process and in every program the tests start: the leak checks look only at those.

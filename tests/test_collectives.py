@@ -541,7 +541,7 @@ class TestCollectives:
 def test_reduce_chunk_aliasing_patterns(n, op):
     """Every way ranks call the kernel: destinations that are some of the sources (all_reduce,
     in-place reduce into any master rank), a separate destination, chunk edges anywhere."""
-    from synkhronos.backends import shm_comm as co      # the shm backend's kernel
+    from synkhronos.backends.shm import chunks as co    # the shm backend's kernel
     rng = np.random.default_rng(n)
     size = 3 * (co._BLOCK_BYTES // 4) + 17
     for dt in ("float32", "float16", "int16", "uint8", "bool"):
@@ -552,11 +552,11 @@ def test_reduce_chunk_aliasing_patterns(n, op):
         for kind, m in cases:
             bufs = [p.copy() for p in parts]
             out = np.zeros(size, dtype)
-            bounds = co._chunks(size, n, dtype.itemsize)
+            bounds = co.chunk_bounds(size, n, dtype.itemsize)
             assert bounds[0] == 0 and bounds[-1] == size and list(bounds) == sorted(bounds)
             for r in range(n):          # ranks one after the other: each chunk exactly once
                 dsts = bufs if kind == "all" else [bufs[m]] if kind == "into" else [out]
-                co._reduce_chunk(op, bufs, dsts, bounds[r], bounds[r + 1], dtype)
+                co.reduce_chunk(op, bufs, dsts, bounds[r], bounds[r + 1], dtype)
             got = [out] if kind == "separate" else bufs if kind == "all" else [bufs[m]]
             for g in got:
                 check(g, want, dt, f"{op} {dt} n={n} {kind} {m}")

@@ -6,15 +6,16 @@ import numpy as np
 import pytest
 
 import synkhronos as synk
-from synkhronos import device as dv
+from synkhronos import backends as dv
+from synkhronos.backends.host import gpus as host_gpus
 
 
 @pytest.fixture
 def gpus(monkeypatch):
     """``gpus(k, backend=True)``: the driver shows ``k`` GPUs; JAX's CUDA plugin installed or not."""
     def set_(k, backend=True):
-        monkeypatch.setattr(dv, "_driver_gpu_count", lambda: k)
-        monkeypatch.setattr(dv, "gpu_backend_missing",
+        monkeypatch.setattr(host_gpus, "_driver_gpu_count", lambda: k)
+        monkeypatch.setattr(host_gpus, "gpu_backend_missing",
                             lambda: None if backend else "JAX is installed without its CUDA plugin (jax[cuda12])")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.delenv("SYNK_GPUS", raising=False)
@@ -28,7 +29,7 @@ def gpus(monkeypatch):
 
 def test_get_n_gpu_is_exported_and_counts(gpus):
     gpus(3)
-    assert synk.get_n_gpu() == 3 == dv.gpu_count()
+    assert synk.get_n_gpu() == 3 == host_gpus.gpu_count()
     gpus(3, backend=False)
     assert synk.get_n_gpu() == 0          # not usable without the backend
     gpus(0)
@@ -40,18 +41,18 @@ def test_count_follows_cuda_visible_devices(gpus, monkeypatch):
     for env, want in [("", []), ("2", ["2"]), ("3,1", ["3", "1"]), ("0,7,1", ["0"]), ("-1", []),
                       ("1,1", ["1"]), ("GPU-8f2a,GPU-77c1", ["GPU-8f2a", "GPU-77c1"])]:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env)
-        assert dv.visible_gpus() == want, env
+        assert host_gpus.visible_gpus() == want, env
     gpus(0)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    assert dv.visible_gpus() == []                # no driver: the variable alone is no GPU
+    assert host_gpus.visible_gpus() == []                # no driver: the variable alone is no GPU
 
 
 def test_count_does_not_start_cuda_or_jax(monkeypatch):
     """The real count on this machine: it reads the driver, never JAX's backend."""
     import sys
     had = "jax" in sys.modules
-    dv.gpu_count()
-    dv.visible_gpus()
+    host_gpus.gpu_count()
+    host_gpus.visible_gpus()
     assert had or "jax" not in sys.modules
 
 
@@ -101,7 +102,7 @@ def test_gpu_and_numba_mode_conflict(gpus):
 
 def test_jax_mode_without_jax_says_how_to_install(gpus, monkeypatch):
     gpus(0)
-    monkeypatch.setattr(dv, "jax_installed", lambda: False)
+    monkeypatch.setattr(host_gpus, "jax_installed", lambda: False)
     with pytest.raises(RuntimeError, match=r"pip install 'synkhronos\[jax\]'"):
         synk.fork(2, mode="JAX")
     assert synk.session_info() is None
@@ -140,7 +141,7 @@ def test_gpu_ranks_environment(gpus, monkeypatch):
 
 
 def test_collectives_route_nccl_or_host(gpus, monkeypatch):
-    from synkhronos.backends import jax_device as jd
+    from synkhronos.backends.jax import runtime as jd
     gpus(2)
     d = dv.select_device(2, True)
     monkeypatch.setattr(jd, "jax_started", lambda: False)
@@ -173,7 +174,7 @@ def test_collectives_route_nccl_or_host(gpus, monkeypatch):
 
 
 def test_staged_path_warns_once_on_gpus(capsys):
-    from synkhronos.backends import staged_comm
+    from synkhronos.backends.jax import staged_comm
 
     class Host:
         n = 2

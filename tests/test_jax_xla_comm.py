@@ -74,6 +74,6 @@ def test_killed_master_takes_its_workers_along():
         p.stdout.close()
     assert tu.wait_until(lambda: not any(tu.pid_running(w) for w in res["workers"]), 20.0), \
         "workers outlived their killed master"
-    from synkhronos.backends import local_backend
-    local_backend.reap()
+    from synkhronos import backends
+    backends.reap("local")
     assert tu.shm_entries(res["prefix"]) == []

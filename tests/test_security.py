@@ -40,7 +40,9 @@ import pytensor.tensor as T
 
 import synkhronos as synk
 import synk_testutil as tu
-from synkhronos.backends import shm, shm_control   # this module tests the shm backend itself
+from synkhronos.backends.shm import control as shm_control   # this module tests the shm backend itself
+from synkhronos.backends.shm import mailbox, reaper
+from synkhronos.backends.shm import segments as shm
 
 PREFIX_RE = re.compile(r"^/synk_[0-9a-f]{16}$")
 
@@ -232,8 +234,8 @@ def test_workers_never_read_a_squatted_mailbox(tmp_path, assert_clean):
         try:
             import mmap
             mm = mmap.mmap(seg.fd, seg.size)
-            shm_control._HDR.pack_into(mm, 0, 1, len(header), 0)
-            mm[shm_control._HDR.size:shm_control._HDR.size + len(header)] = header
+            mailbox.HEADER.pack_into(mm, 0, 1, len(header), 0)
+            mm[mailbox.HEADER.size:mailbox.HEADER.size + len(header)] = header
             mm.close()
         finally:
             seg.close_fd()
@@ -330,7 +332,7 @@ def test_reaper_leaves_live_sessions_alone(assert_clean):
             mm.close()
         finally:
             seg.close_fd()
-        shm_control.reap_stale_sessions()      # what the next synk.fork() anywhere runs
+        reaper.reap_stale_sessions()      # what the next synk.fork() anywhere runs
         assert entries(prefix) == live, "a live session's segments were removed"
         assert f(np.arange(4.0)) == 6.0
     finally:

@@ -1,99 +1,231 @@
-"""Implementations of the control and comm planes, and how a session picks them.
+"""The composition root: the one place that chooses a session's implementations and wires
+them together.  Nothing else in synkhronos imports a backend's module.
 
-A backend module provides ``create(session) -> Planes`` in the master, ``attach(cfg, rank,
-waiter) -> (control, comm)`` in a worker (``cfg`` is ``Planes.worker_config`` plus the
-session's settings), ``remove(session)`` (free whatever the session left) and ``reap()``
-(remove what earlier sessions of this user left when all their processes were killed).
+A session has five planes, each an implementation named in ``registry.REGISTRY`` and
+keeping the contract of its interface module:
 
-``mpi`` (``backends.mpi``): a session over several hosts, under ``mpiexec``.
+=========  ==========================  ==================================================
+plane      contract                    implementations
+=========  ==========================  ==================================================
+launcher   ``synkhronos.launcher``     subprocess (this host), mpi (several hosts)
+control    ``synkhronos.control``      shm (one host), mpi (the master across hosts)
+comm       ``synkhronos.comm``         shm, hier (across hosts), staged, xla (JAX devices)
+device     ``synkhronos.device``       cpu (numba), jax (GPU or CPU)
+channel    ``synkhronos.channel``      shm, mpi
+=========  ==========================  ==================================================
 
-``local``: the ranks of one host, POSIX shared memory for both planes.  When the device
-keeps arrays on itself (``placement == "device"``: the JAX device), the comm stack puts in
-front of the host collectives a host-staged path for device arrays and, where the device
-session uses them, XLA's own collectives (NCCL on GPUs): ``device_stack``."""
+Two topologies: ``local`` (the ranks of this host: subprocess + shm + shm, with ``xla``
+and ``staged`` in front of ``shm`` for a device that keeps arrays on itself) and ``mpi``
+(the same script under ``mpiexec``: mpi launcher and control, hier comm; every worker on
+every host uses its host's shm control).  ``plan`` decides (in the master, from
+``fork()``'s arguments), ``create_master`` wires the master, ``attach_control`` and
+``attach_comm`` a worker (from the configuration the master gave it), ``remove``/``worker_exit``/``reap`` free what
+a session leaves."""
+import atexit
+import os
 from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
-from . import shm
-from .shm_comm import ShmComm
-from .shm_control import ShmControl, reap_stale_sessions
-from ..comm import CommStack
+from .host import gpus as host_gpus
+from .host.launcher import worker_argv, worker_environment
+from .mpi import hosts as mpi_hosts
+from .mpi import world as mpi_world
+from .registry import implementation, make_device
+from .selection import select_device
+from .shm import segments
+from .shm.reaper import reap_stale_sessions
+from .stack import CommStack
+from ..waiting import Waiter
+
+__all__ = ["Topology", "MasterSpec", "Planes", "plan", "create_master", "attach_control", "attach_comm", "remove",
+           "worker_exit", "reap", "open_channel", "attach_channel", "make_device", "select_device",
+           "get_n_gpu", "worker_argv", "worker_environment"]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """What ``plan`` decided: ``name`` ("local" or "mpi"), the device, and for ``mpi`` the
+    hosts (ranks per host, ``[(host, pid)]`` of each host's MPI process)."""
+    name: str
+    device: Any
+    hosts: Optional[tuple] = None
+
+
+@dataclass
+class MasterSpec:
+    """What the master's wiring needs from the session."""
+    topology: Topology
+    master_rank: int
+    waiter: Waiter                     # the session's waits (liveness, stalls, timeout)
+    check: Callable[[], None]          # raises ``launcher.RankGone`` for a lost worker
+    worker_settings: dict              # what every worker's configuration carries
 
 
 @dataclass
 class Planes:
-    control: object
-    comm: object
-    worker_config: dict = field(default_factory=dict)
-    resources: dict = field(default_factory=dict)   # for diagnostics: what the session owns
-    launcher: object = None          # None: worker processes of this host (SubprocessLauncher)
-    local_workers: object = None     # ranks the launcher starts (None: control.workers)
-    rank_config: object = None       # rank -> what that worker's configuration adds
+    """A master's wired planes and what its workers are told."""
+    control: Any
+    comm: Any
+    launcher: Any
+    topology: str
+    worker_config: dict = field(default_factory=dict)   # common to every worker
+    resources: dict = field(default_factory=dict)       # what the session owns (diagnostics, removal)
+    local_workers: Optional[tuple] = None               # ranks the launcher starts (None: all workers)
+    rank_config: Optional[Callable[[int], dict]] = None  # rank -> what that worker's configuration adds
 
 
-class _Local:
-    name = "local"
-
-    @staticmethod
-    def create(session):
-        if session.device.placement != "host":     # (may refuse: before anything is created)
-            session.device.plan_comm(session.master_rank, session._check)   # before its config() goes out
-        prefix = shm.new_prefix()
-        control = ShmControl(prefix, session.n, session.rank, session.master_rank, session.waiter, create=True)
-        shm_comm = ShmComm(prefix, session.rank, session.n, control, create=True)
-        comm = device_stack(shm_comm, session.device, session.rank, session.n, session.master_rank, control)
-        return Planes(control, comm, {"backend": "local", "prefix": prefix}, {"shm_prefix": prefix})
-
-    @staticmethod
-    def attach(cfg, rank, waiter):
-        control = ShmControl(cfg["prefix"], cfg["n"], rank, cfg["master_rank"], waiter, create=False)
-        shm_comm = ShmComm(cfg["prefix"], rank, cfg["n"], control, create=False)
-        device = cfg.get("device") or {"kind": "cpu"}
-        if device.get("kind", "cpu") != "cpu":
-            from ..device import make_device
-            device = make_device(device, cfg["n"])     # (what moves arrays; the worker builds its own)
-            return control, device_stack(shm_comm, device, rank, cfg["n"], cfg["master_rank"], control)
-        return control, CommStack([shm_comm])
-
-    @staticmethod
-    def remove(session):
-        info = getattr(session, "info", None)
-        if info is not None:
-            shm.remove_all(info.resources["shm_prefix"])
-
-    @staticmethod
-    def worker_exit(cfg):
-        """A worker whose master is gone removes the session's shared memory."""
-        shm.remove_all(cfg["prefix"])
-
-    @staticmethod
-    def reap():
-        return reap_stale_sessions()
+def get_n_gpu():
+    """Number of GPUs synkhronos can use on this machine (visible, with JAX's CUDA plugin
+    installed; CUDA is not initialised)."""
+    return host_gpus.gpu_count()
 
 
-def device_stack(shm_comm, device, rank, n, master_rank, control):
-    """The comm stack of a session: for a device that keeps arrays on itself, XLA's
-    collectives (if its session uses them), then the host-staged path, then the host."""
-    if getattr(device, "placement", "host") == "host":
-        return CommStack([shm_comm])
-    from .staged_comm import StagedComm
-    impls = []
-    front = None
-    if getattr(device, "xla", None):
-        from .xla_comm import XlaComm
-        front = XlaComm(rank, n, master_rank, control, shm_comm)
+# ---- choosing -----------------------------------------------------------------------------
+
+
+def plan(n_parallel, use_gpu, mode, close_session):
+    """The topology and device of a new session.  Under ``mpiexec`` the MPI processes other
+    than rank 0 become their hosts' agents here and never return.  ``close_session()``
+    closes the session (-> whether one was open): run when the master exits or fails."""
+    if not mpi_world.launched():
+        return Topology("local", select_device(n_parallel, use_gpu, mode))
+    w = mpi_world.world()
+    if w.rank != 0:
+        from .mpi.agent import serve_host
+        serve_host()                           # never returns: the process exits there
+    if use_gpu:
+        raise NotImplementedError("GPUs across several machines are not supported yet: use CPU ranks "
+                                  "(use_gpu=False) under mpiexec")
+    if w.close_session is None:
+        w.close_session = close_session
+        atexit.register(mpi_hosts.finish, close_session)
+    hosts = mpi_hosts.hosts(n_parallel if n_parallel is None else int(n_parallel))
+    sizes = hosts[0]
+    return Topology("mpi", select_device(sum(sizes), False, mode, local_n=sizes[0]), hosts)
+
+
+# ---- wiring -------------------------------------------------------------------------------
+
+
+def create_master(spec):
+    """The master's planes for ``spec`` (nothing is started yet but shared memory)."""
+    if spec.topology.name == "mpi":
+        return _mpi_master(spec)
+    return _local_master(spec)
+
+
+def _local_master(spec):
+    device, n, rank = spec.topology.device, spec.topology.device.n, spec.master_rank
+    if device.placement != "host":             # (may refuse: before anything is created)
+        device.plan_comm(rank, spec.check)     # before its config() goes out
+    prefix = segments.new_prefix()
+    control = implementation("control", "shm")(prefix, n, rank, rank, spec.waiter, create=True)
+    host_comm = implementation("comm", "shm")(prefix, rank, n, control, create=True)
+    comm = _comm_stack(host_comm, device, rank, n, rank, control)
+    return Planes(control, comm, implementation("launcher", "subprocess")(), "local",
+                  {"topology": "local", "prefix": prefix}, {"shm_prefix": prefix})
+
+
+def _comm_stack(host_comm, device, rank, n, master_rank, control):
+    """A rank's comms: for a device that keeps arrays on itself, XLA's collectives (if its
+    session uses them), then the host-staged path; then the host's."""
+    if device.placement == "host":
+        return CommStack([host_comm])
+    impls, front = [], None
+    if device.xla:
+        front = implementation("comm", "xla")(rank, n, master_rank, control, host_comm)
         impls.append(front)
-    impls.append(StagedComm(shm_comm, device, getattr(device, "why_staged", None), front))
-    impls.append(shm_comm)
+    impls.append(implementation("comm", "staged")(host_comm, device, device.why_staged, front))
+    impls.append(host_comm)
     return CommStack(impls)
 
 
-local_backend = _Local()
-BACKENDS = {"local": local_backend}
+def _mpi_master(spec):
+    from .mpi.hub import HostView, Hub
+    w = mpi_world.world()
+    sizes, hosts = spec.topology.hosts
+    firsts = [sum(sizes[:m]) for m in range(w.size)]
+    host_ranks = {m: range(firsts[m], firsts[m] + sizes[m]) for m in range(w.size)}
+    k0 = sizes[0]
+    prefix = segments.new_prefix()
+    waiter = spec.waiter
+    waiter.TICK = mpi_world.POLL               # messages from other hosts do not wake a sleeper
+    host0 = implementation("control", "shm")(prefix, k0 + 1, 0, 0, waiter, create=True, members=range(k0), lead=k0)
+    hub = Hub(w, HostView(host0), list(range(1, w.size)))
+    waiter.service = hub.service
+    control = implementation("control", "mpi")(w, host0, hub, host_ranks, waiter)
+    comm = CommStack([implementation("comm", "hier")(prefix, 0, host0, True, 0, sizes, 0, w=w)])
+    launcher = implementation("launcher", "mpi")(implementation("launcher", "subprocess")(), hub, [])
+    mpi_hosts.start_agents(sizes, dict(spec.worker_settings, n=spec.topology.device.n, master_rank=0),
+                           spec.topology.device.config())
+    hub.hosts = hosts
+    pid = os.getpid()
+
+    def rank_config(r):
+        return mpi_hosts.worker_config(prefix, k0 + 1, r, range(k0), k0, False, 0, sizes, r, pid, w.mpi_shm)
+    return Planes(control, comm, launcher, "mpi", {}, {"shm_prefix": prefix, "hosts": [h for h, _ in hosts]},
+                  local_workers=tuple(range(1, k0)), rank_config=rank_config)
 
 
-def backend_named(name):
-    """The backend a worker's configuration names (``mpi`` is imported only when used)."""
-    if name == "mpi":
-        from .mpi import mpi_backend
-        return mpi_backend
-    return BACKENDS[name]
+def attach_control(cfg, rank, waiter):
+    """A worker's control plane, from the configuration its master gave it (the first
+    thing a worker makes: it replies through it, failures of the rest included)."""
+    if cfg["topology"] == "mpi":
+        return implementation("control", "shm")(cfg["prefix"], cfg["slots"], cfg["slot"], 0, waiter,
+                                                create=False, members=cfg["members"], lead=cfg["lead"],
+                                                mirror=cfg["mirror"])
+    return implementation("control", "shm")(cfg["prefix"], cfg["n"], rank, cfg["master_rank"], waiter,
+                                            create=False)
+
+
+def attach_comm(cfg, rank, control, device):
+    """A worker's comm stack (``device``: the worker's, ``make_device(cfg["device"], n)``)."""
+    if cfg["topology"] == "mpi":
+        return CommStack([implementation("comm", "hier")(cfg["prefix"], cfg["slot"], control, False,
+                                                         cfg["host_index"], cfg["host_sizes"], cfg["rank"])])
+    n, master = cfg["n"], cfg["master_rank"]
+    host_comm = implementation("comm", "shm")(cfg["prefix"], rank, n, control, create=False)
+    return _comm_stack(host_comm, device, rank, n, master, control)
+
+
+# ---- freeing ------------------------------------------------------------------------------
+
+
+def remove(planes, graceful):
+    """Free what the master's session left (its shared memory; across hosts, the other
+    hosts' sessions: ``graceful`` when its workers quit cleanly)."""
+    segments.remove_all(planes.resources["shm_prefix"])
+    if planes.topology == "mpi":
+        mpi_hosts.end_agents(graceful)
+
+
+def worker_exit(cfg):
+    """A worker whose master (or host agent) is gone frees the session's shared memory."""
+    if cfg["topology"] == "mpi":
+        mpi_hosts.remove_job_files(cfg)
+    else:
+        segments.remove_all(cfg["prefix"])
+
+
+def reap(topology):
+    """Remove what earlier sessions of this user left when all their processes were killed
+    (one host; across hosts every host's agent cleans up its own)."""
+    return reap_stale_sessions() if topology == "local" else 0
+
+
+# ---- channels -----------------------------------------------------------------------------
+
+
+def open_channel(control, ranks, up_bytes, down_bytes):
+    """The master's ``channel.Channel`` to the workers ``ranks`` of the command about to be
+    sent, for the session's control plane (one host or several)."""
+    cls = implementation("channel", control.channel_kind)
+    if control.channel_kind == "shm":
+        return cls.create(control, ranks, up_bytes, down_bytes)
+    return cls(control, ranks, up_bytes, down_bytes)
+
+
+def attach_channel(control, token, rank):
+    """Worker ``rank``'s ``channel.WorkerChannel`` of channel ``token`` (on every host, the
+    host's shared-memory channel)."""
+    return implementation("channel", "shm").attach(control, token, rank)

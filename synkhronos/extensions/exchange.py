@@ -67,7 +67,7 @@ from pytensor.graph.replace import clone_replace
 
 import synkhronos as synk
 from synkhronos import rank as _rank
-from synkhronos.backends import half
+from synkhronos.kernels import half
 from synkhronos.commands import worker_command
 from synkhronos.reductions import OPS, check_mode
 
@@ -181,7 +181,7 @@ class Fp16AllReduce:
         op = _check_op(op)
         with rt.api(True):
             items = self._items(rt, variables)
-            ctx = rt.ctx
+            ctx = rt.me
             rt.execute(CMD_FP16, (items, op), lambda: _fp16_step(ctx, items, op), what="fp16 all_reduce")
             rt.commit()
 
@@ -247,9 +247,9 @@ def _spare(state, key, current, shape, dtype):
 
 
 def _rank_state(ctx):
-    st = getattr(ctx, "_exchange_state", None)
+    st = ctx.extras.get("exchange")
     if st is None:
-        st = ctx._exchange_state = {}
+        st = ctx.extras["exchange"] = {}
     return st
 
 
@@ -772,13 +772,13 @@ class ParameterServer:
             self.grad_function(*datas, batch=slice(0, min(n_rows, 2 * rt.n)))
             self.update_function._replica.f()                       # compiled; result dropped
             self._warm = True
-        from synkhronos.backends import shm_channel
+        from synkhronos import backends
         from synkhronos.plans import Need, Rows
         nbytes = self.size * self.dtype.itemsize
         with rt.api(True):
-            ctx = rt.ctx
+            ctx = rt.me
             workers = tuple(ctx.control.workers)
-            ch = shm_channel.create(ctx.control, workers, nbytes, nbytes)
+            ch = backends.open_channel(ctx.control, workers, nbytes, nbytes)
             try:
                 spec = dict(channel=ch.token, workers=workers, nbytes=nbytes, dtype=self.dtype.str,
                             grad_fid=self.grad_function._replica.fid,
@@ -938,17 +938,18 @@ class _Server:
 
 
 def _bits_float(i):
-    from synkhronos.backends.shm_channel import bits_float
+    from synkhronos.channel import bits_float
     return bits_float(i)
 
 
 @worker_command(CMD_PS)
 def _ps_worker(ctx, spec):
     """A worker's loop of one parameter-server run."""
-    from synkhronos.backends.shm_channel import FAILED, FINISHED, RUNNING, Channel, float_bits
+    from synkhronos import backends
+    from synkhronos.channel import FAILED, FINISHED, RUNNING, float_bits
     dtype = np.dtype(spec["dtype"])
     size = spec["nbytes"] // dtype.itemsize
-    ch = Channel.attach(ctx.control, spec["channel"], ctx.rank)
+    ch = backends.attach_channel(ctx.control, spec["channel"], ctx.rank)
     try:
         dev = ctx.device
         f = ctx.replicas[spec["grad_fid"]].f

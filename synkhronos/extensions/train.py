@@ -20,7 +20,7 @@ import numpy as np
 from pytensor.graph.basic import Variable
 
 import synkhronos as synk
-from synkhronos.device import compiling
+from synkhronos.compiling import compiling
 
 __all__ = ["make_train_function", "make_train_function_theano", "TrainFunction",
            "SerialTrainFunction"]

@@ -1,132 +1,46 @@
-"""Control plane through POSIX shared memory, for the ranks of one host.
+"""The ``shm`` control plane: commands, replies, barriers and votes among the ranks of one
+host, through POSIX shared memory.
 
 State lives in one shared "ctrl" array of int64; semaphores are only wake-up hints.  A
 waiter always checks the state before it sleeps and after it wakes, so a lost, late or
 extra post can delay nobody and fool nobody:
 
-* the master writes a command into its mailbox (pickle protocol 5, numpy buffers out of
-  band), then publishes its sequence number (``CMD_SEQ``), then wakes the workers;
+* the master writes a command into its mailbox (``mailbox``: pickle protocol 5, numpy
+  buffers out of band), then publishes its sequence number (``CMD_SEQ``), then wakes the
+  workers;
 * a worker writes its reply into its own mailbox, then publishes the number of the command
   it answers (``REPLY_SEQ[rank]``), then wakes the master;
 * barriers and votes are numbered ``seq * 4096 + step`` (``step`` counts the barriers and
   votes of one command), so that no arrival or vote of an aborted command can be taken for
   one of a later command;
 * ``ABORT_SEQ = seq`` aborts command ``seq``; a vote commits once every rank has arrived
-  with "yes" (``VOTE[rank]``)."""
+  with "yes" (``VOTE[rank]``).
+
+Per-rank fields are read and written by ``get_field``/``set_field`` (the ``mpi`` plane's
+host agents and the channels use them too); ``sleep``/``wake`` are the semaphores."""
 import os
 import pickle
-import re
-import struct
 
+import numpy as np
 import posix_ipc
 
-from . import shm
-from ..control import Buffer, Control
-from ..errors import Aborted
-from .. import signals
+from . import segments as shm
+from .mailbox import Mailbox, MailboxReader
+from ... import signals
+from ...errors import Aborted
+from ...messages import OK, Command, Reply
 
 CMD_SEQ, ABORT_SEQ, MASTER_PID = 0, 1, 2
-_BASE, _STRIDE = 8, 8              # per-rank fields, one cache line per rank
+BASE, STRIDE = 8, 8                # per-rank fields, one cache line per rank
 GEN, REPLY_SEQ, ARRIVE, VOTE, HOST_ARRIVE, REPLY_OK = 0, 1, 2, 3, 4, 5
-_OK = ("ok", None)                 # a reply told by REPLY_OK alone
 _STEP = 4096                       # barriers and votes per command at most
-_ALIGN = 64
-_HDR = struct.Struct("<qQQ")       # seq, pickle length, number of out-of-band buffers
-_BUF = struct.Struct("<QQ")        # offset, length
-
-
-def _align(x):
-    return (x + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 def ctrl_size(n):
-    return _BASE + _STRIDE * n
+    return BASE + STRIDE * n
 
 
-class _Mailbox:
-    """One rank's outgoing message area: a segment it owns and regrows as needed."""
-
-    def __init__(self, prefix, rank, gen):
-        self.prefix, self.rank, self.gen = prefix, rank, gen    # gen: 1-element view into ctrl
-        self.seg = None
-
-    def write(self, seq, obj):
-        bufs = []
-        header = pickle.dumps(obj, protocol=5, buffer_callback=bufs.append)
-        if not bufs:                     # (most messages: no arrays out of band)
-            end = _HDR.size + len(header)
-            if self.seg is None or self.seg.size < end:
-                self._grow(end)
-            mm = self.seg.mm
-            mm[_HDR.size:end] = header
-            _HDR.pack_into(mm, 0, seq, len(header), 0)
-            return
-        raws = [b.raw() for b in bufs]
-        off = _align(_HDR.size + _BUF.size * len(raws) + len(header))
-        offsets = []
-        for r in raws:
-            offsets.append(off)
-            off = _align(off + r.nbytes)
-        if self.seg is None or self.seg.size < off:
-            self._grow(off)
-        mm = self.seg.mm
-        pos = _HDR.size
-        for o, r in zip(offsets, raws):
-            _BUF.pack_into(mm, pos, o, r.nbytes)
-            pos += _BUF.size
-        mm[pos:pos + len(header)] = header
-        for o, r in zip(offsets, raws):
-            mm[o:o + r.nbytes] = r
-        _HDR.pack_into(mm, 0, seq, len(header), len(raws))
-
-    def _grow(self, needed):
-        gen = int(self.gen[0]) + 1
-        size = max(1 << 16, int(needed * 1.5))
-        size = (size + shm.PAGE - 1) // shm.PAGE * shm.PAGE
-        shm.check_space(size)
-        new = shm.Segment(f"{self.prefix}_m{self.rank}_{gen}", size, create=True)
-        old, self.seg = self.seg, new
-        self.gen[0] = gen
-        if old is not None:
-            old.unlink()
-
-    def close(self):
-        if self.seg is not None:
-            self.seg.unlink()
-            self.seg = None
-
-
-class _MailboxReader:
-    """Reads another rank's mailbox, re-attaching when its owner regrew it."""
-
-    def __init__(self, prefix, rank, gen):
-        self.prefix, self.rank, self.gen = prefix, rank, gen
-        self.seg, self.seen = None, 0
-
-    def read(self, seq):
-        gen = int(self.gen[0])
-        if gen != self.seen:
-            self.seg = shm.Segment(f"{self.prefix}_m{self.rank}_{gen}")
-            self.seen = gen
-        mm = self.seg.mm
-        got, hlen, nbuf = _HDR.unpack_from(mm, 0)
-        if got != seq:
-            raise RuntimeError(f"synkhronos: rank {self.rank}'s message is for command {got}, "
-                               f"expected {seq}")
-        if not nbuf:
-            return pickle.loads(mm[_HDR.size:_HDR.size + hlen])
-        pos = _HDR.size
-        views = []
-        mv = memoryview(mm)
-        for _ in range(nbuf):
-            o, ln = _BUF.unpack_from(mm, pos)
-            pos += _BUF.size
-            views.append(mv[o:o + ln])
-        header = mm[pos:pos + hlen]
-        return pickle.loads(header, buffers=views)
-
-
-class ShmBuffer(Buffer):
+class ShmBuffer:
     __slots__ = ("seg",)
 
     def __init__(self, seg):
@@ -146,7 +60,7 @@ def mirror_name(prefix, handle):
     return f"{prefix}_x{handle.lstrip('/')[len('synk_'):]}"
 
 
-class ShmControl(Control):
+class ShmControl:
     """Commands, replies, barriers and votes among the ranks of one host.
 
     ``n`` slots: by default every slot is a rank ("member") and slot ``master_rank`` sends
@@ -155,6 +69,8 @@ class ShmControl(Control):
     arrivals and votes are written by ``backends.mpi``); ``members`` are then the slots of
     the host's ranks.  ``mirror``: buffer handles name another host's buffers, which this
     host holds copies of (``mirror_name``)."""
+
+    channel_kind = "shm"
 
     def __init__(self, prefix, n, rank, master_rank, waiter, create, members=None, lead=None, mirror=False):
         self.prefix, self.n, self.rank, self.master_rank = prefix, n, rank, master_rank
@@ -172,12 +88,12 @@ class ShmControl(Control):
         if create:
             self.ctrl[MASTER_PID] = os.getpid()     # lets a later run reap this one if it dies
             for r in range(n):
-                self._set(r, REPLY_SEQ, -1)         # the start-up reply is number 0
-                self._set(r, REPLY_OK, -1)
+                self.set_field(r, REPLY_SEQ, -1)         # the start-up reply is number 0
+                self.set_field(r, REPLY_OK, -1)
         opener = shm.new_semaphore if create else posix_ipc.Semaphore
-        self.wake = [opener(f"{prefix}_w{r}") for r in range(n)]
-        self.mailbox = _Mailbox(prefix, rank, self._field(rank, GEN))
-        self.readers = {r: _MailboxReader(prefix, r, self._field(r, GEN)) for r in range(n) if r != rank}
+        self.semaphores = [opener(f"{prefix}_w{r}") for r in range(n)]
+        self.mailbox = Mailbox(prefix, rank, self._field(rank, GEN))
+        self.readers = {r: MailboxReader(prefix, r, self._field(r, GEN)) for r in range(n) if r != rank}
         self.seq = int(self.ctrl[CMD_SEQ])
         self.step = 0
         self.n_buffers = 0
@@ -187,20 +103,20 @@ class ShmControl(Control):
         self._meetings = {}
 
     def _field(self, rank, f):
-        i = _BASE + _STRIDE * rank + f
+        i = BASE + STRIDE * rank + f
         return self.ctrl[i:i + 1]
 
-    def _get(self, rank, f):
-        return int(self.ctrl[_BASE + _STRIDE * rank + f])
+    def get_field(self, rank, f):
+        return int(self.ctrl[BASE + STRIDE * rank + f])
 
-    def _set(self, rank, f, value):
-        self.ctrl[_BASE + _STRIDE * rank + f] = value
+    def set_field(self, rank, f, value):
+        self.ctrl[BASE + STRIDE * rank + f] = value
 
-    def _sleep(self, tick):
+    def sleep(self, tick):
         """Sleep until woken or ``tick`` passes.  Signals are held meanwhile and delivered
         right after: posix_ipc would replace a handler's exception (Ctrl-C, a timeout) by
         its own SignalError, so the handler runs in Python instead, within one tick."""
-        sem = self.wake[self.rank]
+        sem = self.semaphores[self.rank]
         try:
             with signals.deferred():
                 sem.acquire(tick)
@@ -212,9 +128,9 @@ class ShmControl(Control):
             except posix_ipc.BusyError:
                 break
 
-    def _post(self, ranks):
+    def wake(self, ranks):
         for r in ranks:
-            self.wake[r].release()
+            self.semaphores[r].release()
 
     def _others(self):
         return [r for r in range(self.n) if r != self.rank]
@@ -223,41 +139,40 @@ class ShmControl(Control):
         return [r for r in self.sync_slots if r != self.rank]
 
     # ---- master --------------------------------------------------------------------------
-    def send(self, seq, message, needs=()):
+    def send(self, seq, command, needs=()):
         # a command's arguments go as their own pickle, made once per arguments object: a
         # call repeated with the same plan sends the same bytes, which workers recognise
         # and do not unpickle again (arguments with arrays out of band go as they are)
-        name, args, forget, settle = message
+        name, args, forget, settle = command
         if args is not self._sent_args[0]:
             bufs = []
             blob = pickle.dumps(args, protocol=5, buffer_callback=bufs.append)
             self._sent_args = (args, None if bufs else blob)
         blob = self._sent_args[1]
-        if blob is not None:
-            message = (name, None, forget, settle, blob)
-        self.mailbox.write(seq, message)
+        wire = (name, args, forget, settle) if blob is None else (name, None, forget, settle, blob)
+        self.mailbox.write(seq, wire)
         self.ctrl[CMD_SEQ] = seq            # the commit point: from here on workers see it
         self.begin(seq)
-        self._post(self.workers)
+        self.wake(self.workers)
 
     def committed(self):
         return int(self.ctrl[CMD_SEQ])
 
     def collect(self, seq, ranks, what="command"):
         for r in ranks:
-            self.waiter.wait(lambda: self._get(r, REPLY_SEQ) == seq, self._sleep,
-                             owed=lambda: [x for x in ranks if self._get(x, REPLY_SEQ) != seq], what=what)
+            self.waiter.wait(lambda: self.get_field(r, REPLY_SEQ) == seq, self.sleep,
+                             owed=lambda: [x for x in ranks if self.get_field(x, REPLY_SEQ) != seq], what=what)
             yield r, self.reply_of(r, seq)
 
     def reply_of(self, rank, seq):
         """Rank ``rank``'s reply to command ``seq`` (call once it has replied)."""
-        if self._get(rank, REPLY_OK) == seq:
-            return _OK
-        return self.readers[rank].read(seq)
+        if self.get_field(rank, REPLY_OK) == seq:
+            return OK
+        return Reply.from_wire(self.readers[rank].read(seq))
 
     def peek(self, seq, rank):
         """Rank ``rank``'s reply to command ``seq`` if it is there already, else None."""
-        return self.reply_of(rank, seq) if self._get(rank, REPLY_SEQ) == seq else None
+        return self.reply_of(rank, seq) if self.get_field(rank, REPLY_SEQ) == seq else None
 
     def alloc(self, nbytes, tag="d"):
         shm.check_space(nbytes)
@@ -267,25 +182,25 @@ class ShmControl(Control):
     # ---- worker --------------------------------------------------------------------------
     def receive(self):
         last = self.seq
-        self.waiter.wait(lambda: int(self.ctrl[CMD_SEQ]) != last, self._sleep, idle=True,
+        self.waiter.wait(lambda: int(self.ctrl[CMD_SEQ]) != last, self.sleep, idle=True,
                          what="the next command")
         seq = int(self.ctrl[CMD_SEQ])
         self.begin(seq)
-        message = self.readers[self.master_rank].read(seq)
-        if len(message) == 5:                 # arguments pickled on their own (``send``)
-            name, _, forget, settle, blob = message
+        wire = self.readers[self.master_rank].read(seq)
+        if len(wire) == 5:                    # arguments pickled on their own (``send``)
+            name, _, forget, settle, blob = wire
             if blob != self._got_args[0]:
                 self._got_args = (blob, pickle.loads(blob))
-            message = (name, self._got_args[1], forget, settle)
-        return seq, message
+            return seq, Command(name, self._got_args[1], forget, settle)
+        return seq, Command(*wire)
 
-    def reply(self, seq, obj):
-        if obj == _OK:                 # the commonest reply needs no message
-            self._set(self.rank, REPLY_OK, seq)
+    def reply(self, seq, reply):
+        if reply.value is None and reply.status == "ok" and reply.fingerprint is None:   # the commonest: no message
+            self.set_field(self.rank, REPLY_OK, seq)
         else:
-            self.mailbox.write(seq, obj)
-        self._set(self.rank, REPLY_SEQ, seq)
-        self._post([self.master_rank])
+            self.mailbox.write(seq, reply.to_wire())
+        self.set_field(self.rank, REPLY_SEQ, seq)
+        self.wake([self.master_rank])
 
     # ---- every rank ----------------------------------------------------------------------
     def begin(self, seq):
@@ -293,7 +208,11 @@ class ShmControl(Control):
 
     def abort(self, seq=None):
         self.ctrl[ABORT_SEQ] = self.seq if seq is None else seq
-        self._post(self._others())
+        self.wake(self._others())
+
+    def last_abort(self):
+        """The number of the last command any rank aborted."""
+        return int(self.ctrl[ABORT_SEQ])
 
     def aborted(self):
         return int(self.ctrl[ABORT_SEQ]) == self.seq
@@ -313,7 +232,7 @@ class ShmControl(Control):
             self._token()            # every rank counts every step, whether it waits or not
             return
         token = self.next_token()
-        self._set(self.rank, field, token)
+        self.set_field(self.rank, field, token)
         where, others = self._meeting(field, slots)
         ctrl = self.ctrl
         self.meet(lambda: all(ctrl[i] >= token for _, i in where),
@@ -323,7 +242,7 @@ class ShmControl(Control):
         """``([(slot, index of its field)], the other slots)`` of a meeting (made once)."""
         got = self._meetings.get((field, slots))
         if got is None:
-            got = self._meetings[(field, slots)] = ([(r, _BASE + _STRIDE * r + field) for r in slots],
+            got = self._meetings[(field, slots)] = ([(r, BASE + STRIDE * r + field) for r in slots],
                                                     [r for r in slots if r != self.rank])
         return got
 
@@ -333,7 +252,7 @@ class ShmControl(Control):
         every other slot of the command), takes that token and waits until ``arrived()``;
         Aborted if the command is aborted meanwhile.  ``late()``: the slots not there yet
         (for stall messages)."""
-        self._post(self._meeting(ARRIVE, self.sync_slots)[1] if others is None else others)
+        self.wake(self._meeting(ARRIVE, self.sync_slots)[1] if others is None else others)
         self._token()
 
         def ready():
@@ -343,7 +262,7 @@ class ShmControl(Control):
                 raise Aborted("another rank failed during this command")
             return False
 
-        self.waiter.wait(ready, self._sleep, owed=late, what=what)
+        self.waiter.wait(ready, self.sleep, owed=late, what=what)
 
     def barrier(self, check_after=True):
         self._meet(ARRIVE, self.sync_slots)
@@ -375,8 +294,8 @@ class ShmControl(Control):
         if self.lead is None:
             return self._decided_vote(token, ok, on_commit, meanwhile)
         signals.hold()                  # (may raise a pending interrupt: nothing decided yet)
-        self._set(self.rank, VOTE, token if ok else -token)
-        self._post(self._sync_others())
+        self.set_field(self.rank, VOTE, token if ok else -token)
+        self.wake(self._sync_others())
         if not ok:
             return False
         # a rank already past this vote (a later token) voted yes here and saw every yes:
@@ -393,7 +312,7 @@ class ShmControl(Control):
                     return self.aborted()
             return True                 # arrivals first: a later abort cannot undo them
 
-        self.waiter.wait(ready, self._sleep, owed=late, what="a vote")
+        self.waiter.wait(ready, self.sleep, owed=late, what="a vote")
         votes = [int(ctrl[i]) for _, i in where]
         if any(abs(v) < token or v == -token for v in votes):
             return False
@@ -409,18 +328,18 @@ class ShmControl(Control):
         decided yet, so Ctrl-C reaches a master waiting for a frozen rank at once), then
         holds them and decides."""
         ctrl = self.ctrl
-        mine = _BASE + _STRIDE * self.rank + VOTE
+        mine = BASE + STRIDE * self.rank + VOTE
         if not self.is_master:
             signals.hold()
             ctrl[mine] = token if ok else -token
-            self._post([self.master_rank])
+            self.wake([self.master_rank])
             if not ok:
                 return False
-            boss = _BASE + _STRIDE * self.master_rank + VOTE
+            boss = BASE + STRIDE * self.master_rank + VOTE
             master = self.master_rank
             if meanwhile is not None:
                 meanwhile()
-            self.waiter.wait(lambda: abs(ctrl[boss]) >= token or self.aborted(), self._sleep,
+            self.waiter.wait(lambda: abs(ctrl[boss]) >= token or self.aborted(), self.sleep,
                              owed=lambda: [] if abs(ctrl[boss]) >= token else [master], what="a vote")
             decision = int(ctrl[boss])
             if decision != token and abs(decision) <= token:
@@ -442,7 +361,7 @@ class ShmControl(Control):
                             return self.aborted()
                     return True
 
-                self.waiter.wait(ready, self._sleep, owed=lambda: [r for r, i in where if abs(ctrl[i]) < token],
+                self.waiter.wait(ready, self.sleep, owed=lambda: [r for r, i in where if abs(ctrl[i]) < token],
                                  what="a vote")
                 ok = all(ctrl[i] == token for _, i in where)
             if ok:
@@ -452,7 +371,7 @@ class ShmControl(Control):
         finally:
             if not decided:                          # interrupted: "no"
                 ctrl[mine] = -token
-            self._post(workers)
+            self.wake(workers)
         if ok and on_commit is not None:
             on_commit()
         return ok
@@ -463,6 +382,12 @@ class ShmControl(Control):
             seg = self.views[handle] = shm.Segment(mirror_name(self.prefix, handle) if self.mirror else handle)
         return seg.array(dtype, shape)
 
+    def array(self, ref):
+        """The local array of an ``ArrayRef`` (an empty array for a None handle)."""
+        if ref.handle is None:
+            return np.empty(ref.shape, ref.dtype)
+        return self.view(ref.handle, ref.dtype, ref.shape)
+
     def forget(self, handles):
         for h in handles:
             self.views.pop(h, None)
@@ -471,41 +396,3 @@ class ShmControl(Control):
         self.mailbox.close()
         if self.is_master:
             shm.remove_all(self.prefix)
-
-
-_SESSION_CTRL = re.compile(r"synk_[0-9a-f]{16}_ctrl")
-
-
-def _owner(name):
-    try:
-        return os.stat(os.path.join(shm.SHM_DIR, name + "_ctrl")).st_uid
-    except OSError:
-        return -1
-
-
-def reap_stale_sessions():
-    """Remove the segments of earlier sessions of this user whose master process is gone.
-
-    A session cleans up after itself on close, on a master's SIGTERM and when its master
-    dies; only when every process of a session was killed at once is there nobody left to
-    do it.  Returns the number of sessions removed."""
-    prefixes = {e[:-len("_ctrl")] for e in shm.leftovers("synk_") if _SESSION_CTRL.fullmatch(e)}
-    reaped = 0
-    for p in prefixes:
-        try:
-            seg = shm.Segment("/" + p + "_ctrl")
-            pid = int(seg.array("int64", (_BASE,))[MASTER_PID])
-        except (OSError, ValueError, posix_ipc.Error):
-            continue
-        if pid <= 0 or _owner(p) != os.getuid():
-            continue
-        try:
-            os.kill(pid, 0)
-            continue                  # its master is alive (or the pid was reused): leave it
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        shm.remove_all("/" + p)
-        reaped += 1
-    return reaped

@@ -15,17 +15,19 @@ wait for it with the control plane's liveness checks (a lost peer can leave XLA 
 then vote: results are returned only when every rank succeeded."""
 import numpy as np
 
-from .. import reductions as red
-from ..comm import Comm
-from ..errors import Aborted, MasterDied, StallTimeout
-from ..launcher import RankGone
-from . import jax_device as jd
+from .runtime import ensure
+from .distributed import stop_distributed
+from .transfers import is_device_array, to_device, wait_ready
+from ... import reductions as red
+from ...errors import Aborted, MasterDied, StallTimeout
+from ...launcher import RankGone
 
 _KINDS = "fiu"          # floats, signed and unsigned ints (bool and complex: host-staged)
 
 
-class XlaComm(Comm):
+class XlaComm:
     name = "xla"
+    returns_new = ()
     verbs = ("all_reduce", "broadcast", "all_gatherv")
 
     def __init__(self, rank, n, master_rank, sync, host):
@@ -58,7 +60,7 @@ class XlaComm(Comm):
         if self._mesh is None:
             import jax
             from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-            jd._ensure()
+            ensure()
             by_process = {}
             for d in jax.devices():
                 by_process.setdefault(d.process_index, d)
@@ -71,7 +73,7 @@ class XlaComm(Comm):
         """This rank's array as its shard (leading axis of length 1) of the global array."""
         import jax
         mesh, sharding = self._mesh_of()
-        x = jd.to_device(x)
+        x = to_device(x)
         return jax.make_array_from_single_device_arrays((self.n,) + x.shape, sharding, [x.reshape((1,) + x.shape)])
 
     def _program(self, key, body):
@@ -102,7 +104,7 @@ class XlaComm(Comm):
         ok, err, outs = True, None, None
         try:
             outs = self._program(key, body)(*args)
-            jd.wait_ready(outs, lambda ready, sleep: self.sync.waiter.wait(
+            wait_ready(outs, lambda ready, sleep: self.sync.waiter.wait(
                 ready, sleep, what="an XLA collective"), self.sync.aborted)
             outs = [o.addressable_data(0) for o in outs]
         except (RankGone, MasterDied, StallTimeout):
@@ -136,7 +138,7 @@ class XlaComm(Comm):
         if self.n == 1:
             return [a for _, a in items]
         keys = [k for k, _ in items]
-        arrays = [jd.to_device(a) for _, a in items]
+        arrays = [to_device(a) for _, a in items]
         self._equal_shapes(keys, self._shapes(arrays), "all_reduce")
         sig = tuple((a.shape, str(a.dtype)) for a in arrays)
         n = self.n
@@ -173,10 +175,10 @@ class XlaComm(Comm):
         """``items``: ``(key, array, dtype)``, the array given on the root only.  Exact bits:
         the root's value as unsigned integers, summed with zeros from the other ranks."""
         if self.n == 1:
-            return [jd.to_device(np.asarray(a, dtype=dt)) for _, a, dt in items]
+            return [to_device(np.asarray(a, dtype=dt)) for _, a, dt in items]
         dtypes = [np.dtype(dt) for _, _, dt in items]
         if self.rank == root:
-            arrays = [jd.to_device(np.asarray(a, dtype=dt) if not jd.is_device_array(a) else a)
+            arrays = [to_device(np.asarray(a, dtype=dt) if not is_device_array(a) else a)
                       for (_, a, _), dt in zip(items, dtypes)]
             shapes = self._shapes(arrays)
         else:
@@ -205,7 +207,7 @@ class XlaComm(Comm):
         """Every rank gets the concatenation along axis 0 (rank order): arrays are padded to
         the longest, gathered, and the padding dropped."""
         keys = [k for k, _ in items]
-        arrays = [jd.to_device(a) for _, a in items]
+        arrays = [to_device(a) for _, a in items]
         if self.n == 1:
             for key, a in zip(keys, arrays):
                 self._check_gather(key, [a.shape])
@@ -234,6 +236,15 @@ class XlaComm(Comm):
             raise ValueError(f"all_gather{of} concatenates along axis 0 and needs equal trailing shapes "
                              f"of at least 1 dimension; got {list(shapes)} (by rank)")
 
+    def reduce(self, items, op, root, in_place=True, fence=True):
+        raise NotImplementedError("the xla comm does not serve reduce (accepts() refuses it)")
+
+    def gatherv(self, items, root, fence=True):
+        raise NotImplementedError("the xla comm does not serve gatherv (accepts() refuses it)")
+
+    def reduce_scatter(self, items, op, fence=True, counts=None):
+        raise NotImplementedError("the xla comm does not serve reduce_scatter (accepts() refuses it)")
+
     def shapes(self, shapes):
         return self.host.shapes(shapes)
 
@@ -241,7 +252,7 @@ class XlaComm(Comm):
         self.host.barrier()
 
     def close(self):
-        jd.stop_distributed()
+        stop_distributed()
 
 
 def _x64():
@@ -262,7 +273,7 @@ def _zeros(shape, dtype):
     if z is None:
         import jax
         import jax.numpy as jnp
-        jd._ensure()
+        ensure()
         z = _ZEROS[key] = jax.jit(lambda: jnp.zeros(key[0], key[1]))()    # made on the device
         if len(_ZEROS) > 64:
             _ZEROS.pop(next(iter(_ZEROS)))

@@ -42,15 +42,15 @@ its workers' messages over MPI (``create`` picks the implementation from the con
 plane; workers ``attach`` alike on every host)."""
 import os
 import secrets
-import struct
 import time
 
 import numpy as np
 import posix_ipc
 
-from . import shm
-from ..errors import Aborted
-from ..launcher import process_state
+from . import segments as shm
+from ..host.launcher import process_state
+from ...channel import FAILED, FINISHED, N_META
+from ...errors import Aborted
 
 _ALIGN = 64
 HEAD = 64                                      # bytes before each area, for relays (unused here)
@@ -58,20 +58,7 @@ G_STOP, G_NW, G_UPB, G_DOWNB, G_READY = 0, 1, 2, 3, 4
 _GLOBAL = 8                                    # int64 of the global header (one cache line)
 PID, UP_SEQ, UP_DONE, DOWN_SEQ, STATE, RANK = 0, 1, 2, 3, 4, 5
 _META = 8                                      # up meta at 8..11, down meta at 12..15
-N_META = 4
 _STRIDE = 16                                   # int64 per worker (two cache lines)
-STARTING, RUNNING, FINISHED, FAILED = 0, 1, 2, 3
-_F64 = struct.Struct("<d")
-_I64 = struct.Struct("<q")
-
-
-def float_bits(x):
-    """A float64 as an int64 (to carry it in a message's metadata)."""
-    return _I64.unpack(_F64.pack(float(x)))[0]
-
-
-def bits_float(i):
-    return _F64.unpack(_I64.pack(int(i)))[0]
 
 
 def _align(x):
@@ -96,17 +83,6 @@ def _layout(n_workers, up_bytes, down_bytes):
         downs.append(off + HEAD)
         off = _align(off + HEAD + max(8, down_bytes))
     return n_head, ups, downs, off
-
-
-def create(control, ranks, up_bytes, down_bytes):
-    """The master's channel to the workers ``ranks`` of the command about to be sent: this
-    module's ``Channel`` when the session is one host; the control plane's own
-    (``make_channel``: across hosts, ``backends.mpi_channel.HostsChannel``) otherwise.
-    Workers attach with ``Channel.attach(control, channel.token, rank)`` on every host."""
-    make = getattr(control, "make_channel", None)
-    if make is not None:
-        return make(ranks, up_bytes, down_bytes)
-    return Channel.create(control, ranks, up_bytes, down_bytes)
 
 
 class Channel:
@@ -178,7 +154,7 @@ class Channel:
             found.clear()                  # not made yet: look again next time (a fresh view)
             return False
 
-        control.waiter.wait(ready, control._sleep, what="the channel of this host")
+        control.waiter.wait(ready, control.sleep, what="the channel of this host")
         if control.aborted():
             raise Aborted("the command was aborted")
         seg = found[0]
@@ -251,7 +227,7 @@ class Channel:
         for i, m in enumerate(meta):
             self._set(me, _META + i, m)
         self._set(me, UP_SEQ, seq + 1)              # the commit point
-        self.control._post([self.control.master_rank])
+        self.control.wake([self.control.master_rank])
 
     def wait_answer(self, what="an answer of the master"):
         """Wait for the master's next answer (or the stop): returns its metadata (the down
@@ -262,7 +238,7 @@ class Channel:
         def ready():
             return (self._get(me, DOWN_SEQ) > self.seen[me] or self.stopped() or ctl.aborted())
 
-        ctl.waiter.wait(ready, ctl._sleep, what=what)
+        ctl.waiter.wait(ready, ctl.sleep, what=what)
         if ctl.aborted():
             raise Aborted("the command was aborted")
         seq = self._get(me, DOWN_SEQ)
@@ -288,12 +264,12 @@ class Channel:
         for i, m in enumerate(meta):
             self._set(rank, _META + N_META + i, m)
         self._set(rank, DOWN_SEQ, self._get(rank, DOWN_SEQ) + 1)
-        self.control._post([self.slot[rank]])
+        self.control.wake([self.slot[rank]])
 
     def stop(self):
         """Tell every worker to leave its loop (``wait_answer`` returns None)."""
         self.head[G_STOP] = 1
-        self.control._post([self.slot[r] for r in self.ranks])
+        self.control.wake([self.slot[r] for r in self.ranks])
 
     def status(self, rank):
         """``"alive"``, ``"starting"`` (no pid yet), ``"finished"``, ``"failed"``, ``"dead"``
@@ -327,6 +303,6 @@ class Channel:
             left = deadline - time.monotonic()
             if left <= 0:
                 return bool(self.pending())
-            self.control._sleep(min(left, 0.02))
+            self.control.sleep(min(left, 0.02))
             if self.pending():
                 return True

@@ -8,17 +8,17 @@ once.  It serves whatever the device's own path (XLA's collectives: NCCL on GPUs
 and everything when that path is not available; on a GPU it says so, once per reason."""
 import sys
 
-from ..comm import Comm
 
 _warned = set()
 
 
-class StagedComm(Comm):
+class StagedComm:
     """``host``: the host comm of the same ranks; ``device``: moves arrays (``to_host``/
     ``to_device``); ``why``: why the device's own collectives do not serve (for the
     warning); ``front``: the device comm in front of this one, if any."""
 
     name = "staged"
+    returns_new = ()            # (device arrays are never buffers the comm reuses; in-graph ops copy anyway)
 
     def __init__(self, host, device, why=None, front=None):
         self.host, self.device, self.why, self.front = host, device, why, front
@@ -82,8 +82,14 @@ class StagedComm(Comm):
         return self._d(self.host.reduce_scatter([(k, self._h(a)) for k, a in items], op, fence=True,
                                                 counts=counts))
 
+    def setup(self, n_keys, names=None):
+        pass                     # (the host comm below is set up on its own)
+
     def shapes(self, shapes):
         return self.host.shapes(shapes)
 
     def barrier(self):
         self.host.barrier()
+
+    def close(self):
+        pass

@@ -46,8 +46,8 @@ import time
 
 import numpy as np
 
-from .. import signals
-from .shm_channel import HEAD, Channel
+from ..shm.channel import HEAD, Channel
+from ... import signals
 
 CTRL_DOWN, CTRL_UP = 1, 2           # tags on the channel communicator
 DATA = 16                           # + the worker's rank: its messages, both ways
@@ -244,7 +244,7 @@ class HostsChannel:
             left = deadline - time.monotonic()
             if left <= 0:
                 return bool(self.pending())
-            self.control.local._sleep(min(left, POLL))   # local workers wake it; MPI does not
+            self.control.local.sleep(min(left, POLL))   # local workers wake it; MPI does not
             if self.pending():
                 return True
 
@@ -391,7 +391,7 @@ class _HostRun:
         self.next_status = 0.0
         self.expect = None                # after close: {rank: answers the master sent}
         self.closed_sent = False
-        relay.ctl._post(list(slots.values()))   # workers waiting for the segment
+        relay.ctl.wake(list(slots.values()))   # workers waiting for the segment
 
     def _post(self, r):
         return self.comm.Irecv([self.ch.down_raw(r), _mpi().BYTE], source=0, tag=DATA + r)

@@ -1,0 +1,164 @@
+"""Moving arrays between the host and this process's JAX device, and waiting for them.
+
+Inputs go to the device once, explicitly (``to_device``: a private copy, never aliasing
+host memory that the next call reuses); outputs come back with ``to_host`` (on the CPU a
+read-only view of the device buffer, no copy).  ``wait_ready`` waits for device arrays with
+the control plane's liveness checks (a collective whose peer died may never complete)."""
+import threading
+
+import numpy as np
+
+from .runtime import ensure, local
+
+_ALIGN = 64                  # JAX's CPU client uses host memory this aligned in place
+_put = []                    # the explicit transfer found by _fast_put_impl (once), or None
+
+
+def _fast_put():
+    if not _put:
+        _put.append(_fast_put_impl())
+    return _put[0]
+
+
+def _fast_put_impl():
+    """An explicit host -> device transfer of one numpy array without ``jax.device_put``'s
+    pytree handling (~20 µs a call): JAX's own ``batched_device_put`` inside its explicit
+    transfer scope (so a ``transfer_guard`` still sees an explicit transfer).  None when
+    this JAX version lacks them."""
+    try:
+        from jax._src import config as jcfg
+        from jax._src import core, dtypes
+        from jax._src.lib import xla_client as xc
+        scope, bdp, aval_of, canon = (jcfg.explicit_device_put_scope, xc.batched_device_put, core.ShapedArray,
+                                      dtypes.canonicalize_dtype)
+    except Exception:
+        return None
+
+    avals = {}
+
+    def put(x, sharding, dev):
+        key = (x.shape, x.dtype)
+        aval = avals.get(key)
+        if aval is None:
+            if len(avals) > 256:
+                avals.clear()
+            aval = avals[key] = aval_of(x.shape, x.dtype)
+        with scope():
+            return bdp(aval, sharding, [x], [dev], True)
+    try:
+        import jax
+        probe = np.zeros(2, np.float32)
+        dev = jax.local_devices()[0]
+        from jax.sharding import SingleDeviceSharding
+        out = put(probe, SingleDeviceSharding(dev), dev)
+        if not isinstance(out, jax.Array) or out.shape != (2,):
+            return None
+    except Exception:
+        return None
+    put.canon = canon
+    return put
+
+
+def _aligned_copy(x):
+    """A private, ``_ALIGN``-aligned C-contiguous copy of ``x`` (JAX's CPU client then uses it
+    in place: one copy in all)."""
+    nbytes = x.nbytes
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    off = (-raw.ctypes.data) % _ALIGN
+    out = raw[off:off + nbytes].view(x.dtype).reshape(x.shape)
+    np.copyto(out, x)
+    return out
+
+
+def is_device_array(x):
+    import jax
+    return isinstance(x, jax.Array)
+
+
+def to_device(arr):
+    """``arr`` as an array of this process's device.  A JAX array already there is returned
+    as it is; host memory is copied (the device array never aliases it: shared memory is
+    reused by the next call)."""
+    import jax
+    dev = ensure()
+    if isinstance(arr, jax.Array):
+        try:
+            if arr.devices() == {dev}:
+                return arr
+        except Exception:
+            pass
+        return jax.device_put(arr, dev)
+    x = np.asarray(arr)
+    put = _fast_put()
+    if put is not None:
+        canon = put.canon(x.dtype)
+        if canon != x.dtype:
+            x = x.astype(canon)
+    if not local.gpu:
+        # the CPU client would use 64-byte aligned memory in place: give it a private copy
+        # (small: numpy's own; large: aligned, so that it is used in place, one copy in all)
+        x = np.array(x, copy=True, order="C") if x.nbytes < (256 << 10) else _aligned_copy(x)
+    elif not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x)
+    out = put(x, local.sharding, dev) if put is not None else jax.device_put(x, dev)
+    if local.gpu:
+        out.block_until_ready()     # the host memory may be rewritten as soon as we return
+    return out
+
+
+def to_host(arr):
+    """A numpy array of ``arr``: on the CPU a read-only view of the device buffer (no copy)."""
+    import jax
+    if isinstance(arr, jax.Array):
+        if not local.gpu:
+            return np.asarray(arr)
+        return jax.device_get(arr)
+    return np.asarray(arr)
+
+
+def wait_ready(arrays, waiter_wait, aborted=None):
+    """Wait until ``arrays`` are computed, through ``waiter_wait(ready, sleep)`` (the control
+    plane's waiter: liveness checks, stall warnings, timeout); raises their error, if any."""
+    box = _Completion.submit(arrays)
+    ev = box["event"]
+
+    def ready():
+        if ev.is_set():
+            return True
+        if aborted is not None and aborted():
+            from ...errors import Aborted
+            raise Aborted("another rank failed during this collective")
+        return False
+    waiter_wait(ready, ev.wait)
+    if "error" in box:
+        raise box["error"]
+
+
+class _Completion:
+    """One daemon thread that blocks on JAX arrays, so that the caller can wait on an event
+    with its liveness checks (a collective whose peer died may never complete)."""
+
+    _lock = threading.Lock()
+    _queue = None
+
+    @classmethod
+    def submit(cls, arrays):
+        import queue
+        box = {"event": threading.Event()}
+        with cls._lock:
+            if cls._queue is None:
+                cls._queue = queue.SimpleQueue()
+                threading.Thread(target=cls._run, args=(cls._queue,), name="synk-jax-wait", daemon=True).start()
+            cls._queue.put((arrays, box))
+        return box
+
+    @staticmethod
+    def _run(q):
+        import jax
+        while True:
+            arrays, box = q.get()
+            try:
+                jax.block_until_ready(arrays)
+            except BaseException as e:     # noqa: BLE001 - handed to the waiting caller
+                box["error"] = e
+            box["event"].set()

@@ -1,0 +1,224 @@
+"""The agent of a host other than the master's: the MPI process of that host, which starts
+and watches the host's workers and forwards between them and the master (commands and the
+data they read, barrier arrivals, votes, aborts, replies, lost ranks, requests for MPI
+collectives and channel messages).  ``serve_host`` is its whole life: ``synk.fork()``
+never returns there."""
+import os
+import sys
+import time
+
+import numpy as np
+
+from .channel import HostRelay
+from .hosts import worker_config
+from .hub import HostView
+from .requests import Requests, run_request
+from .world import (ABORT, ARRIVE_T, BYE, CMD, DECIDE, END, EXIT, GO, IDLE_AFTER, LOST, POLL, POLL_IDLE,
+                    READY, REPLY, START, VOTE_T, world)
+from ..host.device import usable_cores
+from ..host.launcher import SubprocessLauncher, worker_argv, worker_environment
+from ..registry import make_device
+from ..shm import segments as shm
+from ..shm.control import REPLY_SEQ, ShmControl, mirror_name
+from ..shm.slots import Slots
+from ...launcher import RankGone
+from ...messages import Command
+from ...waiting import Waiter
+
+
+def serve_host():
+    """The life of an MPI process other than the master: say which host it is on, then
+    serve the master's sessions until the master exits.  Never returns."""
+    w = world()
+    w.isend((w.host, usable_cores(), os.getpid()), 0, READY)
+    try:
+        while True:
+            src, tag, obj = _next(w, (START, EXIT))
+            if tag == EXIT or Agent(w, obj).run() == "exit":
+                break
+    finally:
+        w.isend(None, 0, BYE)
+        w.flush()
+    sys.exit(0)
+
+
+def _next(w, tags):
+    """The next message with one of ``tags`` (others are dropped), polling."""
+    while True:
+        messages = w.poll()
+        for i, (src, tag, obj) in enumerate(messages):
+            if tag in tags:
+                w.unread(messages[i + 1:])
+                return src, tag, obj
+        time.sleep(0.002)
+
+
+class Agent:
+    """One session on a host other than the master's: its workers, its shared memory, and
+    the messages between them and the master."""
+
+    def __init__(self, w, cfg):
+        self.w, self.cfg = w, cfg
+        self.k = k = cfg["device"]["local_n"]
+        self.first = cfg["first"]
+        self.prefix = shm.new_prefix()
+        self.members = tuple(range(1, k + 1))
+        self.waiter = Waiter(lambda: None, None, None, spin=cfg.get("spin"))
+        self.ctl = ShmControl(self.prefix, k + 1, 0, 0, self.waiter, create=True, members=self.members,
+                              lead=0, mirror=True)
+        self.host = HostView(self.ctl)
+        self.requests = Requests(self.prefix, True)
+        self.launcher = SubprocessLauncher()
+        self.mirrors = {}              # master's handle -> Segment (its copy on this host)
+        self.buffers = {}              # host buffers attached for MPI requests
+        self.inflight = None
+        self.relay = None              # the host's end of channels (mpi_channel.HostRelay)
+        self.replied = -1              # the last command every rank of the host answered
+        self.req_done = 0
+        self.lost_sent = False
+
+    def grank(self, slot):
+        return self.first + slot - 1
+
+    def slot(self, grank):
+        return grank - self.first + 1
+
+    def start(self):
+        cfg = self.cfg
+        device = make_device(cfg["device"], cfg["n"])
+
+        def env_for(r):
+            wc = dict(cfg, **worker_config(self.prefix, self.k + 1, self.slot(r), self.members, 0, True,
+                                           cfg["host_index"], cfg["host_sizes"], r, os.getpid(), self.w.mpi_shm))
+            wc.pop("first", None)
+            return worker_environment(wc, device.worker_env(r))
+        ranks = [self.grank(s) for s in self.members]
+        self.launcher.start(ranks, worker_argv, env_for)
+        self.inflight = 0
+        pids = {r: p for r, _h, p in self.launcher.info()}
+        self.relay = HostRelay(self.w, self.ctl, self.first, pids)
+        self.w.isend((self.w.host, pids), 0, READY)
+
+    def run(self):
+        try:
+            self.start()
+            quiet_since = None
+            while True:
+                busy = self.step()
+                if busy is None:
+                    return self.ended
+                if busy:
+                    quiet_since = None
+                    continue
+                now = time.perf_counter()
+                if quiet_since is None:
+                    quiet_since = now
+                quiet = now - quiet_since
+                if quiet > self.waiter.spin:     # sleep until a rank of this host posts, or a
+                    # tick passes (MPI messages wake nobody): short while a command may be
+                    # going on, longer once the session has been idle for a while
+                    self.ctl.sleep(POLL if quiet < IDLE_AFTER else POLL_IDLE)
+        finally:
+            self.stop()
+
+    def step(self):
+        """One round of everything the agent watches; None once the session ended."""
+        w, host, ctl = self.w, self.host, self.ctl
+        busy = self.relay.service(self.replied)     # channels first: a run opens before its command
+        messages = w.poll()
+        for i, (_src, tag, obj) in enumerate(messages):
+            busy = True
+            if tag == CMD:
+                self.command(*obj)
+            elif tag == GO:
+                host.release(obj)
+            elif tag == DECIDE:
+                host.decide(*obj)
+            elif tag == ABORT:
+                if obj >= ctl.seq:
+                    host.sent_abort = obj
+                    host.set_abort(obj)
+            elif tag in (END, EXIT):
+                self.graceful = not obj if tag == END else False
+                self.ended = "end" if tag == END else "exit"
+                w.unread(messages[i + 1:])
+                return None
+        a = host.local_abort()             # first: a rank that aborts, then arrives, is seen aborted
+        if a is not None:
+            host.sent_abort = a
+            w.isend(a, 0, ABORT)
+            busy = True
+        tok = host.members_arrived()
+        if tok > host.sent_arrive:
+            host.sent_arrive = tok
+            w.isend(tok, 0, ARRIVE_T)
+            busy = True
+        voted = host.members_voted()
+        if voted is not None and voted[0] > host.sent_vote:
+            host.sent_vote = voted[0]
+            w.isend(voted, 0, VOTE_T)
+            busy = True
+        req = self.requests.pending(self.req_done)
+        if req is not None:
+            token, r = req
+            self.requests.answer(token, run_request(w, r, self.buffers))
+            self.req_done = token
+            ctl.wake(self.members)
+            busy = True
+        if self.inflight is not None and all(ctl.get_field(m, REPLY_SEQ) == self.inflight for m in self.members):
+            seq = self.inflight
+            w.isend((seq, {self.grank(m): ctl.reply_of(m, seq).to_wire() for m in self.members}), 0, REPLY)
+            self.inflight = None
+            self.replied = seq
+            busy = True
+        if not self.lost_sent:
+            try:
+                self.launcher.check()
+            except RankGone as g:
+                self.lost_sent = True
+                w.isend((g.rank, w.host, g.returncode, g.stopped), 0, LOST)
+        return busy
+
+    def command(self, seq, wire, heads):
+        """A command from the master: take the data it needs into this host's copies of the
+        master's buffers, drop the copies the master released, hand it to the ranks."""
+        command = Command(*wire)
+        for handle in command.forget:                 # the master's released buffers
+            seg = self.mirrors.pop(handle, None)
+            if seg is not None:
+                seg.unlink()
+        for ref, kind, where, idx_ref, nbytes in heads:
+            arr = self.mirror(ref)
+            if kind == "all":
+                self.w.recv_array(arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8), 0)
+            elif kind == "rows":
+                self.w.recv_array(arr[where], 0)
+            else:
+                part = np.empty((nbytes // max(1, arr.dtype.itemsize * int(np.prod(arr.shape[1:])) or 1),)
+                                + arr.shape[1:], arr.dtype)
+                self.w.recv_array(part, 0)
+                positions = self.mirror(idx_ref)[where[0]:where[1]]
+                arr[positions] = part
+        if command.name == "distribute":              # the ranks attach to the slot table
+            self.table = Slots(self.prefix, 0, self.k + 1, max(64, command.args[1]), True)
+        self.ctl.send(seq, command)
+        self.inflight = seq
+
+    def mirror(self, ref):
+        handle, dtype, shape = ref
+        dtype = np.dtype(dtype)
+        nbytes = max(64, int(np.prod(shape)) * dtype.itemsize)
+        seg = self.mirrors.get(handle)
+        if seg is None or seg.size < nbytes:
+            if seg is not None:
+                seg.unlink()
+            shm.check_space(nbytes)
+            seg = self.mirrors[handle] = shm.Segment(mirror_name(self.prefix, handle), nbytes, create=True)
+        return seg.array(dtype, tuple(shape))
+
+    def stop(self):
+        if self.relay is not None:
+            self.relay.abandon()
+        self.launcher.stop(getattr(self, "graceful", False))
+        self.ctl.close()
+        shm.remove_all(self.prefix)

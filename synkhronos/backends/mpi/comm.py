@@ -1,0 +1,295 @@
+"""The ``hier`` collectives of a session spanning several hosts: shared memory among the
+ranks of a host (the ``shm`` slots), one MPI collective between hosts on a host buffer
+(run by the host's MPI process), shared memory again to give every rank the result."""
+import numpy as np
+
+from .requests import Requests, run_request
+from ..shm import segments as shm
+from ..shm.chunks import chunk_bounds, row_blocks
+from ..shm.slots import RESULT, Slots
+from ... import reductions as red
+from ...errors import Aborted
+from ...kernels import half
+
+
+class HierComm:
+    """Collectives of a session spanning several hosts, as every rank runs them: shared
+    memory among the ranks of a host, one MPI collective between hosts on a host buffer
+    (run by the host's MPI process), shared memory again to give every rank the result.
+    Nothing any rank can see changes before every rank of every host voted yes."""
+
+    name = "hier"
+    returns_new = ("all_gatherv", "reduce_scatter", "gatherv")   # verbs whose results are new arrays
+
+    def __init__(self, prefix, slot, control, create, host_index, host_sizes, grank, w=None):
+        self.prefix, self.slot, self.ctl = prefix, slot, control
+        self.members = control.members
+        self.pos = self.members.index(slot)            # my place among the host's ranks
+        self.k = len(self.members)
+        self.create, self.w = create, w                # w: MPI (the master only)
+        self.host_index, self.host_sizes = host_index, list(host_sizes)
+        self.grank, self.n = grank, sum(host_sizes)
+        self.slots = None
+        self.requests = None
+        self.names = {}
+        self.steps = 0        # this command's host steps (every rank of the host counts alike)
+        self.step_seq = -1
+        self.made = 0
+        self.hbufs = {}       # (key, kind) -> Segment this rank owns (the first rank of the host)
+        self.attached = {}    # (key, kind) -> (name, Segment): the current host buffer only
+        self.mpi_buffers = {}
+
+    def accepts(self, verb, dtype, op=None, placement="host"):
+        return placement == "host"
+
+    def setup(self, n_keys, names=None):
+        self.names = dict(names or {})
+        if self.slots is None:
+            self.slots = Slots(self.prefix, self.slot, self.ctl.n, max(64, n_keys), self.create)
+            self.requests = Requests(self.prefix, self.create)
+
+    def close(self):
+        for seg in self.hbufs.values():
+            seg.unlink()
+        self.hbufs.clear()
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _token(self):
+        if self.ctl.seq != self.step_seq:           # a new command: its steps count from 1
+            self.step_seq, self.steps = self.ctl.seq, 0
+        self.steps += 1
+        return self.ctl.seq * 4096 + self.steps
+
+    def _host(self, obj_for_first):
+        """The first rank's object, on every rank of the host (through the request segment)."""
+        token = self._token()
+        if self.pos == 0:
+            self.requests.answer(token, obj_for_first)
+        self.ctl.host_barrier()
+        return self.requests.answer_obj(token)
+
+    def _mpi(self, req):
+        """One MPI operation of this host with the other hosts: the first rank asks the
+        host's MPI process (the master runs it itself); every rank gets the answer."""
+        token = self._token()
+        if self.pos == 0:
+            if self.w is not None:
+                self.requests.answer(token, run_request(self.w, req, self.mpi_buffers))
+            else:
+                self.requests.write(token, req)
+                self.ctl.waiter.wait(lambda: self.requests.answered(token), self.ctl.sleep,
+                                     owed=lambda: [], what="a collective between hosts")
+        self.ctl.host_barrier()
+        return self.requests.answer_obj(token)
+
+    def _host_buffer(self, key, kind, dtype, count):
+        """A buffer of the host (owned by its first rank) for ``key``: every rank's view."""
+        dtype = np.dtype(dtype)
+        nbytes = max(64, count * dtype.itemsize)
+        name = None
+        if self.pos == 0:
+            seg = self.hbufs.get((key, kind))
+            if seg is None or seg.size < nbytes:
+                if seg is not None:
+                    seg.unlink()
+                self.made += 1
+                shm.check_space(nbytes)
+                seg = self.hbufs[(key, kind)] = shm.Segment(
+                    f"{self.prefix}_h{kind}{key}x{self.made}", int(nbytes * 1.25), create=True)
+            name = seg.name
+        name = self._host(name)
+        cur = self.attached.get((key, kind))
+        if cur is None or cur[0] != name:       # (a replaced buffer is unmapped here)
+            cur = self.attached[(key, kind)] = (name, self.hbufs[(key, kind)] if self.pos == 0 else shm.Segment(name))
+        return cur[1].array(dtype, (count,)), name
+
+    def _commit(self, write=None):
+        if not self.ctl.vote(True, on_commit=write):
+            raise Aborted("another rank failed during this collective")
+
+    def _all_shapes(self, items_shapes):
+        """Every rank's shape of each item: [[shape per global rank] per item]."""
+        local = [[self.slots.shape(k, r) for r in self.members] for k, _ in items_shapes]
+        every = self._mpi(("allgather", local if self.pos == 0 else None))
+        return [[tuple(s) for h in every for s in h[i]] for i in range(len(items_shapes))]
+
+    # ---- verbs -----------------------------------------------------------------------------
+    def all_reduce(self, items, op, fence=True, scratch=False, owned=False):
+        res = self._reduction(items, op, None, True)
+        return [np.array(r, copy=True) for r in res] if owned else res
+
+    def reduce(self, items, op, root, in_place=True, fence=True):
+        res = self._reduction(items, op, root, in_place)
+        return res if self.grank == root else None
+
+    def _reduction(self, items, op, root, in_place):
+        what = "all_reduce" if root is None else "reduce"
+        staged = []
+        for key, arr in items:
+            view = self.slots.publish(key, np.asarray(arr))
+            staged.append((key, view.reshape(-1), view.shape))
+        self.ctl.host_barrier()
+        every = self._all_shapes([(k, s) for k, _, s in staged])
+        for (key, _, _), shapes in zip(staged, every):
+            if len(set(shapes)) > 1:
+                of = f" of {self.names[key]}" if key in self.names else ""
+                raise ValueError(f"{what}{of} needs the same shape on every rank, got {shapes} (by rank)")
+        plans = []
+        for key, flat, shape in staged:
+            acc = red.accumulator(op, flat.dtype)
+            if flat.dtype == np.float16 and op in ("sum", "avg") and len(self.host_sizes) > 1:
+                acc = None                # float16 between hosts: see _half_between_hosts
+                (h, hn), (q, qn) = (self._host_buffer(key, "r", np.float16, flat.size),
+                                    self._host_buffer(key, "q", np.float16, len(self.host_sizes) * flat.size))
+                hbuf, hname = (h, q), (hn, qn)
+            else:
+                hbuf, hname = self._host_buffer(key, "r", acc, flat.size)
+            srcs = [self.slots.view(key, r, flat.dtype).reshape(-1) for r in self.members]
+            out = None            # in place: the source itself (read before the MPI step, written after)
+            if root is None or self.grank == root:
+                out = (self.slots.view(key, self.slot, flat.dtype) if in_place else
+                       self.slots.ensure(key, flat.dtype, shape, plane=RESULT))
+            plans.append((key, flat, shape, acc, hbuf, hname, srcs, out))
+        self._commit()                  # every rank of every host is ready: now compute
+        fn = red.UFUNC[op]
+        for key, flat, shape, acc, hbuf, hname, srcs, out in plans:
+            if acc is None:
+                self._half_between_hosts(op, flat, hbuf, hname, srcs, out)
+                if out is not None and in_place:
+                    self.slots.lend(key)
+                continue
+            b = chunk_bounds(flat.size, self.k, flat.dtype.itemsize)
+            a0, b0 = b[self.pos], b[self.pos + 1]
+            if b0 > a0:                  # this host's sum (max, …) of my chunk
+                part = hbuf[a0:b0]
+                np.copyto(part, srcs[0][a0:b0], casting="unsafe")
+                for s in srcs[1:]:
+                    fn(part, s[a0:b0], out=part, casting="unsafe")
+            self.ctl.host_barrier()
+            self._mpi(("allreduce", hname, acc.str, flat.size, "sum" if op == "avg" else op))
+            if out is not None:
+                dst = out.reshape(-1)   # (the host buffer is every rank's input: read only)
+                if op != "avg":
+                    np.copyto(dst, hbuf, casting="unsafe")
+                elif flat.dtype.kind in "fc":   # red.finish's scaling, straight into the result
+                    np.multiply(hbuf, hbuf.dtype.type(1.0 / self.n), out=dst, casting="unsafe")
+                else:
+                    np.copyto(dst, red.finish(op, np.array(hbuf, copy=True), self.n, flat.dtype),
+                              casting="unsafe")
+                if in_place:
+                    self.slots.lend(key)
+        self.ctl.host_barrier()          # nobody reads the host buffers or slots any more
+        return [None if p[7] is None else p[7].reshape(p[2]) for p in plans]
+
+    def _half_between_hosts(self, op, flat, bufs, names, srcs, out):
+        """float16 ``sum``/``avg`` across hosts, as float16 on the wire (half the bytes of the
+        float32 all-reduce the other dtypes use): each host's partial sum of a chunk (float32,
+        rounded once to float16), an MPI all-gather of the hosts' partials, then every rank
+        sums them in float32 in host order (``backends.half``).  With one rank per host the
+        result is the float32 path's; with several, each host's partial is rounded once more."""
+        hbuf, obuf = bufs
+        count, hosts = flat.size, len(self.host_sizes)
+        b = chunk_bounds(count, self.k, flat.dtype.itemsize)
+        if b[self.pos + 1] > b[self.pos]:
+            half.reduce_into("sum", srcs, [hbuf], b[self.pos], b[self.pos + 1])
+        self.ctl.host_barrier()
+        self._mpi(("allgatherv", names[0], "<u2", [count] * hosts, names[1]))   # (MPI has no float16)
+        if out is not None:
+            parts = [obuf[h * count:(h + 1) * count] for h in range(hosts)]
+            half.reduce_into(op, parts, [out.reshape(-1)], 0, count, scale=1.0 / self.n)
+
+    def broadcast(self, items, root, fence=True):
+        if root != 0:
+            raise ValueError("between hosts, broadcast comes from the master (rank 0)")
+        if self.grank == 0:
+            for key, arr, dtype in items:
+                self.slots.publish(key, np.asarray(arr, dtype=dtype))
+        shapes = self._mpi(("allgather", [self.slots.shape(k, self.slot) for k, _, _ in items]
+                            if self.grank == 0 else None))[0]
+        plans = []
+        for (key, _, dtype), shape in zip(items, shapes):
+            dtype = np.dtype(dtype)
+            count = int(np.prod(shape))
+            hbuf, hname = self._host_buffer(key, "b", dtype, count)
+            mine = (self.slots.view(key, self.slot, dtype) if self.grank == 0 else
+                    self.slots.stage(key, dtype, tuple(shape), reuse_lent=True))
+            plans.append((key, dtype, tuple(shape), count, hbuf, hname, mine))
+        self._commit()
+        out = []
+        for key, dtype, shape, count, hbuf, hname, mine in plans:
+            if self.grank == 0:
+                np.copyto(hbuf, mine.reshape(-1))
+            self.ctl.host_barrier()
+            self._mpi(("bcast", hname, dtype.str, count))
+            if self.grank != 0:
+                np.copyto(mine.reshape(-1), hbuf)
+            self.slots.lend(key)
+            out.append(mine.reshape(shape))
+        self.ctl.host_barrier()
+        return out
+
+    def _gather_all(self, items):
+        """Every rank's array of each item, on every rank: [[array per global rank] per item]."""
+        for key, arr in items:
+            self.slots.publish(key, np.asarray(arr))
+        self.ctl.host_barrier()
+        every = self._all_shapes([(k, None) for k, _ in items])
+        results = []
+        for (key, arr), shapes in zip(items, every):
+            dtype = np.asarray(arr).dtype
+            sizes = [int(np.prod(s)) for s in shapes]
+            host_counts, first = [], 0
+            for k in self.host_sizes:
+                host_counts.append(sum(sizes[first:first + k]))
+                first += k
+            hbuf, hname = self._host_buffer(key, "g", dtype, max(1, host_counts[self.host_index]))
+            obuf, oname = self._host_buffer(key, "o", dtype, max(1, sum(host_counts)))
+            if self.pos == 0:
+                off = 0
+                for r in self.members:
+                    v = self.slots.view(key, r, dtype).reshape(-1)
+                    hbuf[off:off + v.size] = v
+                    off += v.size
+            self.ctl.host_barrier()
+            self._mpi(("allgatherv", hname, dtype.str, host_counts, oname))
+            parts, off = [], 0
+            for s, size in zip(shapes, sizes):
+                parts.append(np.array(obuf[off:off + size], copy=True).reshape(s))
+                off += size
+            results.append(parts)
+        self.ctl.host_barrier()
+        return results
+
+    def gatherv(self, items, root, fence=True):
+        res = self._gather_all(items)
+        return res if self.grank == root else None
+
+    def all_gatherv(self, items, fence=True):
+        out = []
+        for (key, _), parts in zip(items, self._gather_all(items)):
+            if parts[0].ndim == 0 or len({p.shape[1:] for p in parts}) > 1:
+                of = f" of {self.names[key]}" if key in self.names else ""
+                raise ValueError(f"all_gather{of} concatenates along axis 0 and needs equal trailing shapes "
+                                 f"of at least 1 dimension; got {[p.shape for p in parts]} (by rank)")
+            out.append(np.concatenate(parts, axis=0))
+        return out
+
+    def reduce_scatter(self, items, op, fence=True, counts=None):
+        items = list(items)
+        counts = [None] * len(items) if counts is None else list(counts)
+        bounds = [row_blocks(np.shape(arr), c, self.n, self.names.get(key))     # (checked before any wait)
+                  for (key, arr), c in zip(items, counts)]
+        full = self._reduction(items, op, None, False)
+        return [np.array(f[b[self.grank]:b[self.grank + 1]], copy=True) for f, b in zip(full, bounds)]
+
+    def shapes(self, shapes):
+        mine = [tuple(s) for s in shapes]
+        for i, s in enumerate(mine):
+            self.slots.announce(2, i, 0, s)
+        self.ctl.host_barrier()
+        host = [[self.slots.shape(i, r, 2) for r in self.members] for i in range(len(mine))]
+        every = self._mpi(("allgather", host if self.pos == 0 else None))
+        return [[tuple(s) for h in every for s in h[i]] for i in range(len(mine))]
+
+    def barrier(self):
+        self.ctl.barrier()

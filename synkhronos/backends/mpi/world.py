@@ -1,0 +1,135 @@
+"""MPI for a session over several hosts: whether this process was started by ``mpiexec``,
+the job's world (initialised once per process), and the tags of the messages between the
+master and the hosts' agents.
+
+An uncaught exception in an MPI process must end the job, not hang the others: the master
+closes its session (the agents are told to exit), any other process calls ``MPI_Abort``.
+What ``MPI_Init`` made in /dev/shm is noted, so that a host can remove it if the job is
+killed."""
+import os
+import pickle
+import socket
+import sys
+
+import numpy as np
+
+from ..shm import segments as shm
+
+# message tags, master <-> host agents
+CMD, REPLY, ARRIVE_T, GO, VOTE_T, DECIDE, ABORT, LOST, DATA, START, READY, END, EXIT, BYE = range(101, 115)
+# messages from other hosts wake no sleeper: an MPI process polls every POLL seconds while a
+# command may be going on, every POLL_IDLE once nothing happened for IDLE_AFTER seconds
+POLL, POLL_IDLE, IDLE_AFTER = 0.0002, 0.005, 1.0
+_world = None
+
+
+
+
+def launched():
+    """Whether this process is one of several started by an MPI launcher."""
+    for v in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        try:
+            if int(os.environ.get(v, "1")) > 1:
+                return True
+        except ValueError:
+            pass
+    return False
+
+
+def world():
+    """MPI, initialised once per process (with what MPI_Init created in /dev/shm noted, so
+    that the host can remove it if the job is killed)."""
+    global _world
+    if _world is None:
+        _world = World()
+    return _world
+
+
+class World:
+    def __init__(self):
+        try:
+            import mpi4py
+        except ImportError:
+            raise RuntimeError("synkhronos runs under mpiexec but mpi4py is missing: "
+                               "pip install 'synkhronos[mpi]'") from None
+        mpi4py.rc.thread_level = "serialized"
+        before = set(shm_names())
+        from mpi4py import MPI
+        self.MPI = MPI
+        if not MPI.Is_initialized():
+            MPI.Init_thread(MPI.THREAD_SERIALIZED)
+        self.comm = MPI.COMM_WORLD.Dup()
+        self.chan = MPI.COMM_WORLD.Dup()     # channels (backends.mpi_channel): never command traffic
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.host = MPI.Get_processor_name() or socket.gethostname()
+        self.mpi_shm = sorted(set(shm_names()) - before)        # e.g. mpich_shm_<hex>_<node>
+        self.pending = []            # Isend requests still in flight (with their buffers)
+        self.backlog = []
+        self.finished = False         # the master's session ended and the agents were told
+        self.close_session = None    # set by the master's wiring: closes its session (-> whether one was open)
+        _abort_on_uncaught(self)
+
+    def isend(self, obj, dest, tag):
+        data = pickle.dumps(obj, protocol=5)
+        self.pending.append((self.comm.Isend([data, self.MPI.BYTE], dest=dest, tag=tag), data))
+        self._reap()
+
+    def isend_array(self, arr, dest, tag):
+        arr = np.ascontiguousarray(arr)
+        self.pending.append((self.comm.Isend([arr, self.MPI.BYTE], dest=dest, tag=tag), arr))
+        self._reap()
+
+    def _reap(self):
+        if len(self.pending) > 16:
+            self.pending = [(r, b) for r, b in self.pending if not r.Test()]
+
+    def flush(self):
+        for r, _ in self.pending:
+            r.Wait()
+        self.pending = []
+
+    def poll(self):
+        """Every control message that has arrived: [(source, tag, object)] (those put back
+        with ``unread`` first)."""
+        out, self.backlog = self.backlog, []
+        st = self.MPI.Status()
+        while self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=self.MPI.ANY_TAG, status=st):
+            if st.Get_tag() == DATA:
+                break                 # array payloads are received where they are expected
+            n = st.Get_count(self.MPI.BYTE)
+            buf = bytearray(n)
+            src, tag = st.Get_source(), st.Get_tag()
+            self.comm.Recv([buf, self.MPI.BYTE], source=src, tag=tag)
+            out.append((src, tag, pickle.loads(buf)))
+        return out
+
+    def unread(self, messages):
+        """Messages taken by ``poll`` but not handled: the next ``poll`` returns them first."""
+        self.backlog = list(messages) + self.backlog
+
+    def recv_array(self, out, src):
+        self.comm.Recv([out, self.MPI.BYTE], source=src, tag=DATA)
+
+
+def shm_names():
+    try:
+        return [e for e in os.listdir(shm.SHM_DIR) if e.startswith("mpich_shm_")]
+    except OSError:
+        return []
+
+
+def _abort_on_uncaught(w):
+    """An uncaught exception in an MPI process must end the job, not hang the others."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        try:
+            sys.stderr.flush()
+            if w.rank == 0 and w.close_session is not None and w.close_session():
+                w.flush()                 # the normal way out: agents were told to exit
+                return
+        except BaseException:
+            pass
+        w.comm.Abort(1)
+    sys.excepthook = hook

@@ -1,0 +1,332 @@
+"""Collectives through shared memory among the ranks of one host ("slots").
+
+Every rank keeps, per key, a *slot*: a segment of its own that holds its value of that
+key, published with its shape in a table every rank can read.  When a caller keeps using
+the slot a collective returned (a shared variable whose storage now is the slot), the next
+collective finds the value already in place; otherwise the value is first copied in.
+
+* ``all_reduce``: rank r reduces chunk r of every rank's slot (reduce-scatter) and writes
+  the result into chunk r of every slot (all-gather), block by block while the block is in
+  cache, so each rank reads and writes the buffer about once, like one ``np.copyto``
+  split over the ranks.  Only the chunks that other ranks read are copied in: a rank reads
+  its own chunk from its live array.
+* ``reduce``: the same, writing only into the root's slot (or its result slot).
+* ``broadcast``: every rank copies the root's slot into its own (large values: every rank
+  copies one chunk of the root's slot into every slot).
+* ``gatherv`` / ``all_gatherv`` / ``reduce_scatter``: ranks read each other's slots.
+* small all-reduces (``_Eager``): one meeting instead of three; every rank reduces every
+  rank's values itself.
+
+Every verb has a fallible phase (allocating, attaching, checking shapes) that ends in a
+vote; nothing is written before every rank voted yes, so a failure on one rank leaves
+every rank's values as they were."""
+import numpy as np
+
+from .chunks import chunk_bounds, row_blocks, reduce_chunk, small_reduce
+from .slots import RESULT, SHAPE, SLOT, Eager, Slots
+from ...errors import Aborted
+
+_SPLIT_BCAST_BYTES = 1 << 20        # broadcast of at least this much: every rank copies a chunk
+
+
+class ShmComm:
+    """Collectives among the ranks of one host, through shared-memory slots.
+
+    ``sync`` is the control plane of the same ranks (barrier, vote, abort)."""
+
+    name = "shm"
+    returns_new = ("all_gatherv", "reduce_scatter")   # verbs whose results are new arrays
+
+    def __init__(self, prefix, rank, n, sync, create):
+        self.prefix, self.rank, self.n = prefix, rank, n
+        self.sync, self.create = sync, create
+        self.slots = self.eager = None
+        self.names = {}
+
+    def accepts(self, verb, dtype, op=None, placement="host"):
+        return placement == "host"
+
+    def setup(self, n_keys, names=None):
+        self.names = dict(names or {})
+        if self.slots is None:
+            self.slots = Slots(self.prefix, self.rank, self.n, max(64, n_keys), self.create)
+            self.eager = Eager(self.prefix, self.rank, self.n, self.create)
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _commit(self, write):
+        """Vote; run ``write`` on every rank once all voted yes, else raise Aborted."""
+        if not self.sync.vote(True, on_commit=write):
+            raise Aborted("another rank failed during this collective")
+
+    def _stage(self, key, arr):
+        """Copy-in for a reduction: returns ``(own flat source, shape)``.
+
+        If ``arr`` is not the slot, every chunk but this rank's own is copied into the slot
+        (the others read those); this rank reads its own chunk from ``arr``."""
+        slots = self.slots
+        arr = np.asarray(arr)
+        if slots.holds(key, arr):
+            slots.publish_held(key, arr.shape)
+            return arr.reshape(-1), arr.shape
+        view = slots.stage(key, arr.dtype, arr.shape).reshape(-1)
+        flat = np.ascontiguousarray(arr).reshape(-1)
+        if flat.size and np.may_share_memory(view, flat):
+            flat = flat.copy()
+        bounds = chunk_bounds(flat.size, self.n, arr.dtype.itemsize)
+        a, b = bounds[self.rank], bounds[self.rank + 1]
+        if a > 0:
+            np.copyto(view[:a], flat[:a])
+        if b < flat.size:
+            np.copyto(view[b:], flat[b:])
+        return flat, arr.shape
+
+    def _equal_shapes(self, keys, what):
+        for key in keys:
+            rows = self.slots.table[SLOT, key].tolist()
+            if all(r[1:2 + r[1]] == rows[0][1:2 + rows[0][1]] for r in rows):
+                continue
+            shapes = [self.slots.shape(key, r) for r in range(self.n)]
+            if len(set(shapes)) > 1:
+                of = f" of {self.names[key]}" if key in self.names else ""
+                raise ValueError(f"{what}{of} needs the same shape on every rank, got {shapes} (by rank)")
+
+    def _all_slots(self, key, dtype, plane=SLOT):
+        return [self.slots.view(key, r, dtype, plane).reshape(-1) for r in range(self.n)]
+
+    def _prepare_reduction(self, items, what):
+        """Stage, meet, check shapes (every rank raises alike), attach every rank's slots."""
+        staged = [self._stage(key, arr) for key, arr in items]
+        self.sync.barrier(check_after=False)
+        self._equal_shapes([k for k, _ in items], what)
+        views = [self._all_slots(key, np.asarray(arr).dtype) for key, arr in items]
+        return staged, views
+
+    def _sources(self, views, flat):
+        srcs = list(views)
+        srcs[self.rank] = flat                 # own chunk from the live array (maybe the slot)
+        return srcs
+
+    # ---- verbs ---------------------------------------------------------------------------
+    def all_reduce(self, items, op, fence=True, scratch=False, owned=False):
+        """``scratch`` (an in-graph op or a training step: the results are a call's
+        intermediate values): no vote before the write; a rank that fails aborts the call,
+        whose updates no rank then applies.  Small values (``Eager``) come back as new
+        arrays, larger ones as this rank's slot (a copy if ``owned``)."""
+        if self.n == 1:
+            return [np.asarray(a) for _, a in items]
+        arrs = [np.asarray(a) for _, a in items]
+        plan = self.eager.plan(arrs, self.n - 1)
+        if plan is not None:
+            return self._eager_all_reduce(items, arrs, plan, op, scratch)
+        staged, views = self._prepare_reduction(items, "all_reduce")
+
+        def write():
+            for (key, _), (flat, _), vs in zip(items, staged, views):
+                bounds = chunk_bounds(flat.size, self.n, flat.dtype.itemsize)
+                reduce_chunk(op, self._sources(vs, flat), vs, bounds[self.rank], bounds[self.rank + 1],
+                              flat.dtype)
+                self.slots.lend(key)
+        if scratch:
+            write()
+        else:
+            self._commit(write)
+        if fence:
+            self.sync.barrier()
+        res = [vs[self.rank].reshape(shape) for (_, shape), vs in zip(staged, views)]
+        return [np.array(r, copy=True) for r in res] if owned else res
+
+    def _eager_all_reduce(self, items, arrs, plan, op, scratch):
+        """All-reduce of small values in one meeting (``Eager``); new result arrays."""
+        eager, rank = self.eager, self.rank
+        out = [np.empty(a.shape, a.dtype) for a in arrs]     # (before the vote: nothing after it fails)
+        token = self.sync.next_token()
+        parity = token & 1
+        views = eager.post(parity, rank, arrs, plan, token)
+        done = []
+
+        def compute():
+            if done:
+                return
+            self._eager_check(parity, plan, items)    # every rank reads the same headers: all raise alike
+            for res, vs in zip(out, views):
+                small_reduce(op, vs, res)
+            done.append(True)
+        if scratch:                        # the rows' tokens are the arrivals
+            self.sync.meet(lambda: eager.posted(parity, token), lambda: eager.late(parity, token))
+            compute()
+            return out
+
+        def meanwhile():                  # while the vote is decided: every row is complete
+            if eager.posted(parity, token) and eager.agree(parity, plan):
+                compute()                 # (only kept if the vote commits)
+        if not self.sync.vote(True, on_commit=compute, meanwhile=meanwhile):
+            raise Aborted("another rank failed during this collective")
+        return out
+
+    def _eager_check(self, parity, plan, items):
+        """ValueError (on every rank alike) unless every rank posted the same shapes."""
+        eager = self.eager
+        if eager.agree(parity, plan):
+            return
+        for i, (key, _) in enumerate(items):
+            shapes = eager.shapes(parity, i)
+            if len(set(shapes)) > 1:
+                of = f" of {self.names[key]}" if key in self.names else ""
+                raise ValueError(f"all_reduce{of} needs the same shape on every rank, got {shapes} (by rank)")
+        raise ValueError("all_reduce needs the same values (dtypes, shapes) on every rank")
+
+    def reduce(self, items, op, root, in_place=True, fence=True):
+        """``in_place``: the root's result is its slot of the key (its value is replaced);
+        otherwise a separate result buffer (valid until the next reduce of that key)."""
+        if self.n == 1:
+            return [np.asarray(a) if in_place else np.array(a, copy=True) for _, a in items]
+        if self.rank == root and not in_place:
+            for key, arr in items:
+                arr = np.asarray(arr)
+                self.slots.ensure(key, arr.dtype, arr.shape, plane=RESULT)
+        staged, views = self._prepare_reduction(items, "reduce")
+        plane = SLOT if in_place else RESULT
+        dests = [vs[root] if in_place else self.slots.view(key, root, np.asarray(arr).dtype, RESULT).reshape(-1)
+                 for (key, arr), vs in zip(items, views)]
+
+        def write():
+            for (key, _), (flat, _), vs, dest in zip(items, staged, views, dests):
+                bounds = chunk_bounds(flat.size, self.n, flat.dtype.itemsize)
+                reduce_chunk(op, self._sources(vs, flat), [dest], bounds[self.rank], bounds[self.rank + 1],
+                              flat.dtype)
+                if in_place and self.rank == root:
+                    self.slots.lend(key)
+        self._commit(write)
+        if fence:
+            self.sync.barrier()
+        if self.rank != root:
+            return None
+        return [self.slots.view(key, root, np.asarray(arr).dtype, plane).reshape(shape)
+                for (key, arr), (_, shape) in zip(items, staged)]
+
+    def broadcast(self, items, root, fence=True):
+        if self.n == 1:
+            return [np.asarray(a) for _, a, _ in items]
+        if self.rank == root:                # staged in the buffer not lent: until the vote,
+            for key, arr, dtype in items:     # the root's old value stays intact
+                self.slots.publish(key, np.asarray(arr, dtype=dtype))
+        self.sync.barrier(check_after=False)
+        targets = []
+        for key, _, dtype in items:
+            dtype = np.dtype(dtype)
+            shape = self.slots.shape(key, root)
+            src = self.slots.view(key, root, dtype)
+            dst = src if self.rank == root else self.slots.stage(key, dtype, shape, reuse_lent=True)
+            targets.append((key, dtype, src, dst))
+        total = sum(src.nbytes for _, _, src, _ in targets)
+        split = total >= _SPLIT_BCAST_BYTES
+        if split:
+            self.sync.barrier()        # every rank has sized its slot: now attach them all
+            flats = [self._all_slots(key, dtype) for key, dtype, _, _ in targets]
+
+        def write():
+            for key, _, _, _ in targets:
+                self.slots.lend(key)
+            if not split:
+                for _, _, src, dst in targets:
+                    if dst is not src:
+                        np.copyto(dst, src)
+                return
+            for (_, dtype, src, _), vs in zip(targets, flats):
+                s = src.reshape(-1)
+                bounds = chunk_bounds(s.size, self.n, dtype.itemsize)
+                a, b = bounds[self.rank], bounds[self.rank + 1]
+                for r in range(self.n):
+                    if r != root and b > a:
+                        np.copyto(vs[r][a:b], s[a:b])
+        self._commit(write)
+        if fence:
+            self.sync.barrier()
+        return [dst for _, _, _, dst in targets]
+
+    def _publish_all(self, items):
+        for key, arr in items:
+            self.slots.publish(key, arr)
+        self.sync.barrier()
+
+    def gatherv(self, items, root, fence=True):
+        if self.n == 1:
+            return [[np.array(a, copy=True)] for _, a in items]
+        if self.rank != root:
+            self._publish_all(items)
+            if fence:
+                self.sync.barrier()
+            return None
+        self.sync.barrier()              # the root reads its own value where it is
+        out = []
+        for key, arr in items:
+            arr = np.asarray(arr)
+            out.append([np.array(arr if r == root else self.slots.view(key, r, arr.dtype), copy=True)
+                        for r in range(self.n)])
+        if fence:
+            self.sync.barrier()
+        return out
+
+    def all_gatherv(self, items, fence=True):
+        if self.n == 1:
+            return [np.array(a, copy=True) for _, a in items]
+        self._publish_all(items)
+        parts = []
+        for key, arr in items:
+            arr = np.asarray(arr)
+            ps = [self.slots.view(key, r, arr.dtype) for r in range(self.n)]
+            if ps[0].ndim == 0 or len({p.shape[1:] for p in ps}) > 1:
+                of = f" of {self.names[key]}" if key in self.names else ""
+                raise ValueError(f"all_gather{of} concatenates along axis 0 and needs equal trailing shapes "
+                                 f"of at least 1 dimension; got {[p.shape for p in ps]} (by rank)")
+            parts.append(ps)
+        out = [np.concatenate(ps, axis=0) for ps in parts]
+        self.sync.barrier()              # nobody reads the slots any more
+        return out
+
+    def reduce_scatter(self, items, op, fence=True, counts=None):
+        """``counts``: None, or per item None (near-equal blocks) or the rows each rank gets.
+
+        Every rank publishes its whole array (the others read every block but their own
+        from it), checks the shapes (every rank raises alike) and, once all voted yes,
+        reduces its own block from every rank's slot into a new array."""
+        counts = [None] * len(items) if counts is None else list(counts)
+        if len(counts) != len(items):
+            raise ValueError(f"reduce_scatter got {len(counts)} counts for {len(items)} items")
+        blocks = [row_blocks(np.shape(arr), c, self.n, self.names.get(key)) for (key, arr), c in zip(items, counts)]
+        if self.n == 1:
+            return [np.array(a, copy=True) for _, a in items]
+        for key, arr in items:
+            self.slots.publish(key, arr)
+        self.sync.barrier(check_after=False)
+        self._equal_shapes([k for k, _ in items], "reduce_scatter")
+        out = []
+        for (key, arr), rows in zip(items, blocks):
+            arr = np.asarray(arr)
+            per = int(np.prod(arr.shape[1:]))
+            a, b = rows[self.rank] * per, rows[self.rank + 1] * per
+            res = np.empty((rows[self.rank + 1] - rows[self.rank],) + arr.shape[1:], arr.dtype)
+            out.append((res, [v[a:b] for v in self._all_slots(key, arr.dtype)]))
+
+        def write():
+            for res, srcs in out:
+                reduce_chunk(op, srcs, [res.reshape(-1)], 0, res.size, res.dtype)
+        self._commit(write)
+        self.sync.barrier()              # slots may change only once every rank has read them
+        return [res for res, _ in out]
+
+    def shapes(self, shapes):
+        if self.n == 1:
+            return [[tuple(s)] for s in shapes]
+        for i, s in enumerate(shapes):
+            self.slots.announce(SHAPE, i, 0, tuple(s))
+        self.sync.barrier()
+        out = [[self.slots.shape(i, r, SHAPE) for r in range(self.n)] for i in range(len(shapes))]
+        self.sync.barrier()
+        return out
+
+    def barrier(self):
+        self.sync.barrier()
+
+    def close(self):
+        pass                     # (the session's segments are removed by prefix)

@@ -1,0 +1,253 @@
+"""The shared-memory areas of the ``shm`` collectives.
+
+``Slots``: per key (a shared variable's registry index) and rank, a segment holding that
+rank's value, published with its shape in a table every rank reads; two value buffers per
+key so that the one a collective last returned (and the caller may keep) is never written
+before a vote.  ``Eager``: a small area per rank where small all-reduces meet once (values,
+header and token in one row)."""
+import math
+import struct
+
+import numpy as np
+
+from . import segments as shm
+
+MAXD = 16
+SLOT, RESULT, SHAPE = 0, 1, 2       # table planes: values, results, shape exchange
+_ALIGN = 64
+_EAGER_BYTES = 1 << 16              # eager area per rank (and parity): values
+_EAGER_WORDS = 256                  # eager area per rank (and parity): token and header (int64)
+_TOKEN = struct.Struct("<q")
+
+
+class Slots:
+    """One rank's slots plus the table through which ranks publish their slots' shapes.
+
+    A key has two value buffers.  The one whose view a collective last returned is *lent*:
+    the caller may keep it as its value, so nothing writes into it before a vote has
+    decided (the write is then the commit); staging for a collective uses the other."""
+
+    def __init__(self, prefix, rank, n, n_keys, create):
+        self.prefix, self.rank, self.n = prefix, rank, n
+        rows = max(1, n_keys)
+        self.table_seg = shm.Segment(f"{prefix}_slots", 3 * rows * n * (2 + MAXD) * 8, create=create)
+        self.table = self.table_seg.array(np.int64, (3, rows, n, 2 + MAXD))
+        self.bufs = {}    # (plane, key) -> [(gen, Segment, address) or None, same]
+        self.cur = {}     # (plane, key) -> index of the buffer published now
+        self.lent = {}    # key -> index of the value buffer last returned
+        self.gen = {}     # (plane, key) -> last generation number used in a name
+        self.peers = {}   # (plane, key, rank) -> {gen % 2: (gen, Segment)}
+        self.views = {}   # (plane, key, rank, gen) -> (shape, dtype, array): the last view made
+
+    def _buffer(self, plane, key, i, nbytes):
+        bufs = self.bufs.setdefault((plane, key), [None, None])
+        cur = bufs[i]
+        if cur is not None and cur[1].size >= nbytes:
+            return cur
+        gen = self.gen.get((plane, key), 0) + 1
+        gen += (gen - i) % 2             # buffer i has generations of parity i (see ``view``)
+        self.gen[(plane, key)] = gen
+        size = max(64, int(nbytes * (1.25 if cur else 1.0)))
+        shm.check_space(size)
+        seg = shm.Segment(f"{self.prefix}_v{plane}k{key}r{self.rank}g{gen}", size, create=True)
+        if cur is not None:
+            cur[1].unlink()
+            self.views.pop((plane, key, self.rank, cur[0]), None)     # (its memory goes with it)
+        bufs[i] = entry = (gen, seg, seg.address())
+        return entry
+
+    def announce(self, plane, key, gen, shape):
+        if len(shape) > MAXD:
+            raise ValueError(f"collectives support up to {MAXD} dimensions, got {len(shape)}")
+        row = self.table[plane, key, self.rank]
+        row[2:2 + len(shape)] = shape
+        row[1] = len(shape)
+        row[0] = gen
+
+    def holds(self, key, arr):
+        """Whether ``arr`` is exactly the lent value buffer of ``key`` (no copy-in needed)."""
+        i = self.lent.get(key)
+        if i is None or not isinstance(arr, np.ndarray):
+            return False
+        entry = self.bufs[(SLOT, key)][i]
+        return (arr.flags.c_contiguous and arr.__array_interface__["data"][0] == entry[2]
+                and arr.nbytes <= entry[1].size)
+
+    def publish_held(self, key, shape):
+        i = self.lent[key]
+        self.cur[(SLOT, key)] = i
+        self.announce(SLOT, key, self.bufs[(SLOT, key)][i][0], shape)
+
+    def stage(self, key, dtype, shape, reuse_lent=False):
+        """A value buffer of ``key`` shaped ``shape``, published: the one not lent (unless
+        ``reuse_lent``: for a write that happens only once a vote decided)."""
+        shape = tuple(int(s) for s in shape)
+        if len(shape) > MAXD:
+            raise ValueError(f"collectives support up to {MAXD} dimensions, got {len(shape)}")
+        lent = self.lent.get(key)
+        i = 0 if lent is None else (lent if reuse_lent else 1 - lent)
+        gen, seg, _ = self._buffer(SLOT, key, i, math.prod(shape) * dtype.itemsize)
+        self.cur[(SLOT, key)] = i
+        self.announce(SLOT, key, gen, shape)
+        return seg.array(dtype, shape)
+
+    def lend(self, key):
+        """The value buffer published now is returned to a caller (call once committed)."""
+        self.lent[key] = self.cur[(SLOT, key)]
+
+    def ensure(self, key, dtype, shape, plane):
+        """This rank's buffer of ``key`` on a result or shape plane, published."""
+        shape = tuple(int(s) for s in shape)
+        gen, seg, _ = self._buffer(plane, key, 0, math.prod(shape) * dtype.itemsize)
+        self.cur[(plane, key)] = 0
+        self.announce(plane, key, gen, shape)
+        return seg.array(dtype, shape)
+
+    def publish(self, key, arr):
+        """Publish ``arr`` as this rank's value of ``key`` (copied into a staging buffer
+        unless it is the lent one); returns where it lies."""
+        arr = np.asarray(arr)
+        if self.holds(key, arr):
+            self.publish_held(key, arr.shape)
+            return arr
+        view = self.stage(key, arr.dtype, arr.shape)
+        if arr.size and np.may_share_memory(view, arr):
+            arr = np.array(arr, copy=True)
+        np.copyto(view, arr)
+        return view
+
+    def shape(self, key, rank, plane=SLOT):
+        row = self.table[plane, key, rank].tolist()
+        return tuple(row[2:2 + row[1]])
+
+    def view(self, key, rank, dtype, plane=SLOT):
+        """The buffer of ``rank`` for ``key`` as published in the table (the same array
+        object as last time when nothing changed: the per-call path makes no new views)."""
+        row = self.table[plane, key, rank].tolist()
+        shape = tuple(row[2:2 + row[1]])
+        if rank == self.rank:
+            gen, seg, _ = self.bufs[(plane, key)][self.cur[(plane, key)]]
+        else:
+            gen = row[0]
+            # a rank keeps two value buffers and alternates between them: both stay mapped
+            # here; a new generation of one (parity = which) means its owner replaced it
+            mine = self.peers.setdefault((plane, key, rank), {})
+            cur = mine.get(gen % 2)
+            if cur is None or cur[0] != gen:
+                if cur is not None:
+                    self.views.pop((plane, key, rank, cur[0]), None)
+                cur = mine[gen % 2] = (gen, shm.Segment(f"{self.prefix}_v{plane}k{key}r{rank}g{gen}"))
+            seg = cur[1]
+        made = self.views.get((plane, key, rank, gen))
+        if made is not None and made[0] == shape and made[1] is dtype:
+            return made[2]
+        arr = seg.array(dtype, shape)
+        self.views[(plane, key, rank, gen)] = (shape, dtype, arr)
+        return arr
+
+
+class EagerPlan:
+    """How a list of values lies in the eager area: ``header`` (bytes every rank writes),
+    ``size`` (bytes of values) and ``views[parity][value][rank]`` (views shaped as the
+    values)."""
+
+    __slots__ = ("header", "size", "views")
+
+    def __init__(self, header, size, views):
+        self.header, self.size, self.views = header, size, views
+
+
+class Eager:
+    """Small collectives in one meeting.
+
+    Each rank writes its values, then their dtypes and shapes (the header), then the
+    meeting's token into its row of an area every rank maps; all ranks meet once; then each
+    rank checks that the headers agree and computes the whole result from every row itself
+    (for a few KB, cheaper than two more meetings).  Rows whose token is the meeting's are
+    complete: a rank may compute before a vote has decided.  Two areas serve alternately,
+    chosen by the parity of the meeting's token: a rank writes an area again only after
+    passing a later meeting, which every rank reaches only once done reading it, so no
+    closing meeting ("fence") is needed."""
+
+    def __init__(self, prefix, rank, n, create):
+        self.row = row = _EAGER_WORDS * 8 + _EAGER_BYTES
+        self.seg = shm.Segment(f"{prefix}_eager", 2 * n * row, create=create)
+        self.mm = self.seg.mm
+        self.data = [self.seg.array(np.uint8, (n, row), offset=p * n * row)[:, _EAGER_WORDS * 8:] for p in (0, 1)]
+        self.n = n
+        self.others = [[self._hdr(p, r) for r in range(n) if r != rank] for p in (0, 1)]   # their rows
+        self.plans = {}     # (dtype, shape) per value -> EagerPlan
+
+    def _hdr(self, parity, rank):
+        """Where rank ``rank``'s header in area ``parity`` starts (a byte offset)."""
+        return (parity * self.n + rank) * self.row
+
+    def plan(self, arrs, scale=1):
+        """The ``EagerPlan`` of values ``arrs``, or None when they do not fit (their size
+        times ``scale``: a reduction costs every rank n-1 passes over them)."""
+        sig = ((arrs[0].dtype, arrs[0].shape),) if len(arrs) == 1 else tuple((a.dtype, a.shape) for a in arrs)
+        plan = self.plans.get(sig)
+        if plan is None:
+            words = [0, len(arrs)]
+            layout, off = [], 0
+            for dtype, shape in sig:
+                if len(shape) > MAXD:
+                    return None
+                nbytes = math.prod(shape) * dtype.itemsize
+                words += [dtype.num, len(shape), *shape]
+                layout.append((off, nbytes, dtype))
+                off += -(-nbytes // _ALIGN) * _ALIGN
+            if len(words) >= _EAGER_WORDS or off > _EAGER_BYTES:
+                return None
+            words[0] = len(words)
+            views = [[[self.data[p][r, o:o + nb].view(dt).reshape(shape) for r in range(self.n)]
+                      for (o, nb, dt), (_, shape) in zip(layout, sig)] for p in (0, 1)]
+            plan = self.plans[sig] = EagerPlan(np.array(words, np.int64).tobytes(), off, views)
+        return plan if plan.size * scale <= _EAGER_BYTES else None
+
+    def post(self, parity, rank, arrs, plan, token):
+        """Write this rank's values, header and token; returns every rank's views of each
+        value (per value, a list by rank, shaped as the value)."""
+        views = plan.views[parity]
+        for a, vs in zip(arrs, views):
+            np.copyto(vs[rank], a)
+        at = self._hdr(parity, rank)
+        header = plan.header
+        mm = self.mm
+        mm[at + 8:at + 8 + len(header)] = header
+        _TOKEN.pack_into(mm, at, token)        # last: the row is complete
+        return views
+
+    def posted(self, parity, token):
+        """Whether every rank's row in area ``parity`` is complete for meeting ``token``
+        (this rank's is: it wrote it first)."""
+        mm = self.mm
+        for at in self.others[parity]:
+            if _TOKEN.unpack_from(mm, at)[0] != token:
+                return False
+        return True
+
+    def late(self, parity, token):
+        """The ranks whose rows are not complete for meeting ``token``."""
+        return [r for r in range(self.n) if _TOKEN.unpack_from(self.mm, self._hdr(parity, r))[0] != token]
+
+    def agree(self, parity, plan):
+        """Whether every rank posted the same dtypes and shapes."""
+        header, mm = plan.header, self.mm
+        size = len(header) + 8
+        for at in self.others[parity]:
+            if mm[at + 8:at + size] != header:
+                return False
+        return True
+
+    def shapes(self, parity, i):
+        """Every rank's shape of value ``i`` (for messages)."""
+        out = []
+        for r in range(self.n):
+            at = self._hdr(parity, r) + 8
+            w = np.frombuffer(self.mm, np.int64, _EAGER_WORDS - 1, at).tolist()
+            pos = 2
+            for _ in range(i):
+                pos += 2 + w[pos + 1]
+            out.append(tuple(w[pos + 2:pos + 2 + w[pos + 1]]))
+        return out

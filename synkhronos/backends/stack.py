@@ -1,0 +1,35 @@
+"""A rank's comm implementations in order of preference: each verb goes to the first one
+whose ``accepts`` takes it (the choice is cached per verb, dtype, op and placement)."""
+
+
+class CommStack:
+    """Dispatches each verb to the first implementation that accepts it."""
+
+    def __init__(self, impls):
+        self.impls = list(impls)
+        self._cache = {}
+
+    def pick(self, verb, dtype=None, op=None, placement="host"):
+        k = (verb, dtype, op, placement)
+        impl = self._cache.get(k)
+        if impl is None:
+            for c in self.impls:
+                if c.accepts(verb, dtype, op, placement):
+                    impl = c
+                    break
+            else:
+                raise TypeError(f"no collective implementation accepts {verb} of dtype {dtype} "
+                                f"(op {op}, on {placement}); have {[c.name for c in self.impls]}")
+            self._cache[k] = impl
+        return impl
+
+    def setup(self, n_keys, names=None):
+        for c in self.impls:
+            c.setup(n_keys, names)
+
+    def barrier(self):
+        self.impls[-1].barrier()
+
+    def close(self):
+        for c in self.impls:
+            c.close()

@@ -1,0 +1,121 @@
+"""How one process waits for others: ``Waiter`` polls a condition, sleeps between looks,
+checks that the other side is alive, warns about stalls and raises after a timeout.
+
+Every wait of every plane goes through a ``Waiter``, which owns that policy; the plane
+gives it what to look at (``ready``) and how to sleep until woken (``sleep``)."""
+import os
+import sys
+import time
+
+from .errors import StallTimeout
+
+DEFAULT_STALL = 60.0
+
+
+def env_seconds(name, default):
+    """A duration from the environment (None when unset, empty or "0"/"none")."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    if raw.strip().lower() in ("0", "none", "off"):
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} must be a number of seconds") from None
+    if value <= 0:
+        return None
+    return value
+
+
+class Waiter:
+    """How one process waits for others: a liveness check every tick, a warning each time
+    a wait passes another ``stall`` seconds, an exception after ``timeout`` seconds.
+
+    ``check()`` raises when the other side is gone (it may also return the ranks it
+    considers stopped).  ``stall``/``timeout`` of None disable them."""
+
+    TICK = 0.02          # inside a command
+    TICK_IDLE = 0.5      # a worker waiting for the next command
+    SPIN = 200e-6        # poll this long before sleeping (``fork(spin=...)``, env SYNK_SPIN)
+    HOT = 20e-6          # of which the first part without yielding the core
+
+    def __init__(self, check, stall=DEFAULT_STALL, timeout=None, stream=None, spin=None):
+        self.check = check
+        self.stall, self.timeout = stall, timeout
+        self.stream = stream
+        self.spin = self.SPIN if spin is None else spin
+        self.service = None          # called at every look (e.g. messages from other hosts)
+
+    def wait(self, ready, sleep, owed=None, what="command", idle=False):
+        """Return once ``ready()`` is true.  ``sleep(t)`` blocks at most ``t`` seconds (or
+        until woken); ``owed()`` names the ranks still awaited (for messages)."""
+        if self.service is not None:
+            service = self.service
+            inner = ready
+
+            def ready():
+                service()
+                return inner()
+        if ready():
+            return
+        now = time.perf_counter()
+        hot, end = now + min(self.spin, self.HOT), now + self.spin
+        while time.perf_counter() < hot:     # the answer is usually a few µs away: just look
+            if ready():
+                return
+        while time.perf_counter() < end:
+            if ready():
+                return
+            os.sched_yield()     # if the peer wants this core, let it run
+        tick = self.TICK_IDLE if idle else self.TICK
+        start = time.monotonic()
+        next_warn = self.stall
+        while True:
+            sleep(tick)
+            if ready():
+                return
+            self.check()
+            if idle:
+                continue
+            waited = time.monotonic() - start
+            if self.timeout is not None and waited >= self.timeout:
+                raise StallTimeout(_owed(owed), waited, what)
+            if next_warn is not None and waited >= next_warn:
+                next_warn += self.stall
+                self._warn(_owed(owed), waited, what)
+
+    def _warn(self, ranks, waited, what):
+        stream = self.stream or sys.stderr
+        who = f"rank(s) {', '.join(map(str, ranks))}" if ranks else "the other ranks"
+        try:
+            print(f"synkhronos: stall: waited {waited:.0f} s for {who} during {what} (still waiting; "
+                  "fork(timeout=...) or SYNK_TIMEOUT turns a stall into an error)", file=stream, flush=True)
+        except (OSError, ValueError):
+            pass
+
+
+def spin_seconds(value):
+    """How long waits poll before sleeping: ``value`` (seconds), else env ``SYNK_SPIN``, else
+    ``Waiter.SPIN``.  Longer spins wake faster after a pause between calls, and burn that
+    much of a core (yielding it to anyone who wants it) each time a rank waits."""
+    what = "spin"
+    if value is None:
+        raw = os.environ.get("SYNK_SPIN", "").strip()
+        if not raw:
+            return Waiter.SPIN
+        what = f"environment variable SYNK_SPIN={raw!r}"
+        try:
+            value = float(raw)
+        except ValueError:
+            value = raw
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"{what} must be a number of seconds in [0, 1] (e.g. 0.001), got {value!r}")
+    return float(value)
+
+
+def _owed(owed):
+    try:
+        return sorted(owed()) if owed is not None else []
+    except Exception:
+        return []
