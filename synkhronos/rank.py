@@ -37,6 +37,7 @@ class Rank:
         self.pending = None    # (seq, {var: new value}) of a command's updates, until settled
         self.call_cache = {}   # function id -> (wire plan, plan, its input views): a worker's last call
         self.seq = 0           # the command this rank is running (or ran last)
+        self.extras = {}       # state that extensions keep on this rank, by name
 
     is_master = property(lambda self: self.rank == self.master_rank)
 

@@ -112,6 +112,7 @@ class Session:
         self.mpi_hosts = None
 
     shareds = property(lambda self: self.ctx.shareds)
+    me = property(lambda self: self.ctx)
 
     # ---- life cycle ------------------------------------------------------------------------
     def start(self, timeout):
