@@ -526,6 +526,25 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
         return f
 
 
+# ---- what the training kit and the exchange strategies use (``synkhronos.extensions``) ----
+
+
+def replica_of(f):
+    """The ``Replica`` every rank holds of function ``f`` (its ``fid`` names it in steps)."""
+    return f._replica
+
+
+def compiled(f):
+    """Whether ``f`` has been called (compiled) once already."""
+    return bool(f._warm)
+
+
+def call_then(f, data, kwargs, output_subset, batch, batch_s, num_slices, then):
+    """Call ``f`` as ``f(*data, **kwargs)`` would, with follow-up steps ``then`` that every
+    rank runs in the same command after its share (``replica.follow_up``)."""
+    return f._invoke(data, kwargs, output_subset, batch, batch_s, num_slices, then)
+
+
 def _graph_items(replicas):
     """Every variable and node of the compiled graphs in topological order.  Pickled ahead of
     the functions, so that each node finds its inputs already pickled: the pickler's

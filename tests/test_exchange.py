@@ -35,7 +35,8 @@ import pytest
 
 import synk_testutil as tu
 import synkhronos as synk
-from synkhronos.backends import half, shm_channel
+from synkhronos.backends.shm import channel as shm_channel
+from synkhronos.kernels import half
 from synkhronos.extensions import exchange, train, updates
 
 U16 = 2.0 ** -11          # float16 unit roundoff
@@ -77,7 +78,7 @@ def test_half_reduction_as_numpy(n):
     """The comm plane's float16 sum/avg (numba) gives numpy's widened path bit for bit, in
     place or not."""
     from synkhronos import reductions as red
-    from synkhronos.backends.shm_comm import _reduce_chunk
+    from synkhronos.backends.shm.chunks import reduce_chunk
     rng = np.random.default_rng(n)
     size = 50_000
     srcs = [(rng.standard_normal(size) * 50).astype(np.float16) for _ in range(n)]
@@ -88,84 +89,88 @@ def test_half_reduction_as_numpy(n):
         red.finish(op, acc, n, np.float16)
         want = acc.astype(np.float16)
         dsts = [np.full(size, 7, np.float16) for _ in range(n)]
-        _reduce_chunk(op, srcs, dsts, 0, size, np.dtype(np.float16))
+        reduce_chunk(op, srcs, dsts, 0, size, np.dtype(np.float16))
         for d in dsts:
             assert np.array_equal(d.view(np.uint16), want.view(np.uint16))
         inplace = [s.copy() for s in srcs]
-        _reduce_chunk(op, inplace, inplace, 10, size - 3, np.dtype(np.float16))
+        reduce_chunk(op, inplace, inplace, 10, size - 3, np.dtype(np.float16))
         for c, s in zip(inplace, srcs):
             assert np.array_equal(c[10:size - 3].view(np.uint16), want[10:size - 3].view(np.uint16))
             assert np.array_equal(c[:10], s[:10]) and np.array_equal(c[size - 3:], s[size - 3:])
 
 
-class _FakeControl:
-    """What a channel uses of a control plane (wake-ups recorded)."""
-
-    def __init__(self, prefix, aborted=False):
-        from synkhronos.control import Waiter
-        self.prefix, self.master_rank, self.posted, self._aborted = prefix, 0, [], aborted
-        self.waiter = Waiter(lambda: None, None, 5.0)
-
-    def _post(self, slots):
-        self.posted.extend(slots)
-
-    def _sleep(self, tick):
-        time.sleep(min(tick, 0.002))
-
-    def aborted(self):
-        return self._aborted
+def _controls(prefix, n):
+    """The ``shm`` control plane of ``n`` slots as the master (slot 0) and as worker slot
+    ``n - 1`` see it, both in this process (a channel's wake-ups show in the semaphores)."""
+    from synkhronos.backends.shm.control import ShmControl
+    from synkhronos.waiting import Waiter
+    master = ShmControl(prefix, n, 0, 0, Waiter(lambda: None, None, 5.0), create=True)
+    worker = ShmControl(prefix, n, n - 1, 0, Waiter(lambda: None, None, 5.0), create=False)
+    master.begin(1)
+    worker.begin(1)
+    return master, worker
 
 
-def test_channel_layout_slots_and_dispatch():
+def _woken(ctl, slot):
+    """Whether ``slot`` was woken since the last look (its semaphore, drained)."""
+    sem = ctl.semaphores[slot]
+    woken = sem.value > 0
+    while sem.value > 0:
+        sem.acquire(0)
+    return woken
+
+
+def test_channel_layout_slots_and_wakeups():
     """A channel's segment is private (0600, random token under the host session's
     prefix); a worker attaches by token and finds its place in the header (waiting for a
     segment not made yet, as on another host before its agent opens the run); each area
     has ``HEAD`` bytes before it for relays; answers and stops wake the workers' slots
-    (numbered from 1 on the other hosts of a multi-host session); ``shm_channel.create``
-    takes the control plane's own channel when it has one (across hosts)."""
-    from synkhronos.backends import shm
+    (numbered from 1 on the other hosts of a multi-host session).  Real control planes."""
+    from synkhronos.backends.shm import segments as shm
     from synkhronos.errors import Aborted
     prefix = shm.new_prefix()
-    ctl = _FakeControl(prefix)
+    ctl, wctl = _controls(prefix, 3)
     try:
         ch = shm_channel.Channel.create(ctl, [5, 7], 24, 40, slots={5: 1, 7: 2}, pids={7: os.getpid()})
         assert ch.name == f"{prefix}_ch{ch.token}" and len(ch.token) == 16
         assert os.stat(os.path.join(shm.SHM_DIR, ch.name.lstrip("/"))).st_mode & 0o777 == 0o600
-        w = shm_channel.Channel.attach(ctl, ch.token, 7)
+        w = shm_channel.Channel.attach(wctl, ch.token, 7)
         assert w.ranks == (5, 7) and (w.up_bytes, w.down_bytes) == (24, 40)
         assert ch.status(5) == "starting" and ch.status(7) == "alive"
         w.up(7, np.float64)[:] = [1, 2, 3]
         w.send((11, 12))
-        assert ctl.posted[-1] == 0 and ch.pending() == [7] and ch.message(7) == (11, 12, 0, 0)
+        assert _woken(ctl, 0) and ch.pending() == [7] and ch.message(7) == (11, 12, 0, 0)
         raw = ch.up_raw(7)
         assert raw.size == shm_channel.HEAD + 24 and np.array_equal(raw[shm_channel.HEAD:].view(np.float64), [1, 2, 3])
         ch.down(7, np.int32)[:] = np.arange(10)
+        _woken(ctl, 1)
         ch.answer(7, (3,))
-        assert ctl.posted[-1] == 2 and ch.pending() == []
+        assert _woken(ctl, 2) and not _woken(ctl, 1) and ch.pending() == []
         assert w.wait_answer()[0] == 3 and np.array_equal(w.down(7, np.int32), np.arange(10))
         assert np.array_equal(ch.down_raw(7)[shm_channel.HEAD:].view(np.int32), np.arange(10))
         ch.stop()
-        assert ctl.posted[-2:] == [1, 2] and w.wait_answer() is None
+        assert _woken(ctl, 1) and _woken(ctl, 2) and w.wait_answer() is None
         with pytest.raises(RuntimeError, match="not one of its workers"):
-            shm_channel.Channel.attach(ctl, ch.token, 6)
+            shm_channel.Channel.attach(wctl, ch.token, 6)
         w.close()
         ch.close()
-        assert shm.leftovers(prefix.lstrip("/")) == []
+        assert not [e for e in shm.leftovers(prefix.lstrip("/")) if "_ch" in e]
         # attach waits for the segment (bounded: the waiter, the command's abort)
         token, made = "0123456789abcdef", []
         timer = threading.Timer(0.1, lambda: made.append(shm_channel.Channel.create(ctl, [3], 8, 8, token=token)))
         timer.start()
-        w = shm_channel.Channel.attach(ctl, token, 3)
+        w = shm_channel.Channel.attach(wctl, token, 3)
         timer.join()
         assert w.ranks == (3,) and made[0].status(3) == "alive"
         w.close()
         made[0].close()
+        ctl.abort(1)
         with pytest.raises(Aborted):
-            shm_channel.Channel.attach(_FakeControl(prefix, aborted=True), token, 3)
+            shm_channel.Channel.attach(wctl, "fedcba9876543210", 3)
     finally:
+        wctl.close()
+        ctl.close()
         shm.remove_all(prefix)
-    hosts = types.SimpleNamespace(make_channel=lambda *a: ("across hosts", a))
-    assert shm_channel.create(hosts, (1, 2), 8, 16) == ("across hosts", ((1, 2), 8, 16))
 
 
 # ---- a tiny model, numpy reference -----------------------------------------------------------

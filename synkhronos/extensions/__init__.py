@@ -1,10 +1,14 @@
-"""Helpers built on synkhronos: data-parallel update rules and a one-call training step.
+"""Helpers built on synkhronos: data-parallel update rules, a one-call training step and
+the exchange strategies it can use.
 
     from synkhronos.extensions import updates, train
     step = train.make_train_function(loss, params, [x, y], updates.adam, learning_rate=1e-3)
     synk.distribute()
     loss_value = step(x_data, y_data, batch=idx)
-"""
-from . import train, updates
 
-__all__ = ["updates", "train"]
+``exchange`` is imported here so that its strategies' builders are registered whichever
+of these modules is imported first.
+"""
+from . import exchange, train, updates
+
+__all__ = ["updates", "train", "exchange"]

@@ -21,6 +21,10 @@ from pytensor.graph.basic import Variable
 
 import synkhronos as synk
 from synkhronos.compiling import compiling
+from synkhronos.function import call_then, compiled, replica_of
+from synkhronos.session import get_session
+
+from . import strategies
 
 __all__ = ["make_train_function", "make_train_function_theano", "TrainFunction",
            "SerialTrainFunction"]
@@ -30,7 +34,7 @@ _USAGE = ("{fn}(loss, params, inputs, update_rule, *args, **kwargs), with inputs
           "the original form {fn}(loss, params, x, y, update_rule, *args, **kwargs) is accepted too")
 
 
-def _parse_form(fn, inputs, args, update_rule, x, y):
+def parse_form(fn, inputs, args, update_rule, x, y):
     """Both call forms -> ``(input variables, update_rule, remaining positional args)``.
 
     New form: ``inputs`` is a list/tuple of variables (or one variable), followed by
@@ -69,11 +73,14 @@ def _parse_form(fn, inputs, args, update_rule, x, y):
     return in_vars, update_rule, pos
 
 
+_parse_form = parse_form          # (its former name, used by tests/test_updates.py)
+
+
 def _as_var_list(v):
     return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
-def _legacy_data_names(fn, inputs, data, named):
+def legacy_data_names(fn, inputs, data, named):
     """The original step was ``train_minibatch(x_data, y_data, batch=None)``: accept those
     two keywords for a step with two inputs (unless an input has such a name)."""
     if not ({"x_data", "y_data"} & set(named)) or len(inputs) != 2 \
@@ -122,15 +129,15 @@ class TrainFunction:
         function; ``batch``/``batch_s``/``num_slices`` select rows).  Returns the loss,
         averaged over the whole batch.  The original's keywords ``x_data``/``y_data`` work
         for a step with two inputs."""
-        data, call_kwargs = _legacy_data_names("the training step", self.inputs, data, call_kwargs)
+        data, call_kwargs = legacy_data_names("the training step", self.inputs, data, call_kwargs)
         f = self.grad_function
         if self._then is None:
             self._then = self._chain()
-        if self._then and self.update_function._warm:
+        if self._then and compiled(self.update_function):
             # one round trip: gradient, all-reduce and update rule in the same command
             output_subset = call_kwargs.pop("output_subset", None)
             batch_s = call_kwargs.pop("batch_s", None)
-            return f._invoke(data, call_kwargs, output_subset, batch, batch_s, num_slices, self._then)
+            return call_then(f, data, call_kwargs, output_subset, batch, batch_s, num_slices, self._then)
         loss = f(*data, batch=batch, num_slices=num_slices, **call_kwargs)
         self._exchange()
         self.update_function()
@@ -143,17 +150,17 @@ class TrainFunction:
     def _chain(self):
         """The follow-ups of the gradient call (``replica.follow_up``): () when the step
         cannot be chained (not distributed yet)."""
-        from synkhronos.session import get_session
-        rt = get_session()
-        if not rt.distributed:
+        session = get_session()
+        if not session.distributed:
             return ()
-        steps = tuple(("all_reduce", rt.shared_ids[id(g)], "avg") for g in _as_var_list(self.grad_shared))
-        return steps + (("run", self.update_function._replica.fid),)
+        steps = tuple(("all_reduce", session.shared_ids[id(g)], "avg")
+                      for g in _as_var_list(self.grad_shared))
+        return steps + (("run", replica_of(self.update_function).fid),)
 
     def serial(self, *arrays, **named):
         """The same step as plain PyTensor in the master only, on the full ``arrays``
         (numpy arrays of the inputs' exact dtypes).  Updates the master's variables only."""
-        arrays, named = _legacy_data_names("serial", self.inputs, arrays, named)
+        arrays, named = legacy_data_names("serial", self.inputs, arrays, named)
         loss = self.grad_function.as_theano(*arrays, **named)
         self.update_function.as_theano()
         return loss
@@ -194,16 +201,18 @@ def make_train_function(loss, params, inputs=None, *args, update_rule=None, x=No
     ``synk.fork()`` and before ``synk.distribute()``.  Returns a ``TrainFunction``:
     ``step(*data, batch=None, num_slices=1, **call_kwargs) -> loss``.
 
-    ``compress="fp16"`` (with ``error_feedback``) all-reduces the gradient in float16, and
-    ``exchange`` picks another strategy (``"fp16"``, ``"easgd"``, ``"local"`` or an object
-    of ``synkhronos.extensions.exchange``): both are ``exchange.make_train_function``."""
-    if compress is not None or exchange not in (None, "bsp"):
-        from . import exchange as _exchange
-        return _exchange.make_train_function(
-            loss, params, inputs, *args, update_rule=update_rule, x=x, y=y, bcast_inputs=bcast_inputs,
-            givens=givens, sliceable_shareds=sliceable_shareds, name=name, compress=compress,
-            error_feedback=error_feedback, exchange=exchange, **kwargs)
-    inputs, update_rule, args = _parse_form("make_train_function", inputs, args, update_rule, x, y)
+    ``exchange`` picks the strategy: ``"bsp"`` (the default: the step above), ``"fp16"`` or
+    ``Fp16(...)`` (float16 gradient all-reduce; also ``compress="fp16"``, with
+    ``error_feedback``), ``"easgd"`` or ``EASGD(tau, alpha)``, ``"local"`` or
+    ``LocalSGD(k)`` (``synkhronos.extensions.exchange``, which builds those steps; it is
+    also ``exchange.make_train_function``)."""
+    strategy = strategies.parse_strategy(exchange, compress, error_feedback)
+    if strategy is not None:
+        build = strategies.builder(strategy)
+        return build(strategy, loss, params, inputs, *args, update_rule=update_rule, x=x, y=y,
+                     bcast_inputs=bcast_inputs, givens=givens, sliceable_shareds=sliceable_shareds,
+                     name=name, **kwargs)
+    inputs, update_rule, args = parse_form("make_train_function", inputs, args, update_rule, x, y)
     grad_updates, param_updates, grad_shared = update_rule(loss, params, *args, **kwargs)
     f_grad = synk.function(inputs, outputs=loss, bcast_inputs=bcast_inputs, updates=grad_updates,
                            givens=givens, sliceable_shareds=sliceable_shareds, name=f"{name}_grad")
@@ -228,7 +237,7 @@ class SerialTrainFunction:
     def __call__(self, *arrays, **named):
         """One step on ``arrays`` (one per input, converted as PyTensor converts inputs).
         Returns the loss.  The original's keywords ``x_data``/``y_data`` work for two inputs."""
-        arrays, named = _legacy_data_names("the training step", self.inputs, arrays, named)
+        arrays, named = legacy_data_names("the training step", self.inputs, arrays, named)
         loss = self.grad_function(*arrays, **named)
         self.update_function()
         return loss
@@ -241,8 +250,8 @@ def make_train_function_theano(loss, params, inputs=None, *args, update_rule=Non
     all-reduce.  Returns a ``SerialTrainFunction``: ``step(*arrays) -> loss``.  (Within a
     synkhronos session, ``TrainFunction.serial`` gives the same without compiling again.)"""
     import pytensor
-    inputs, update_rule, args = _parse_form("make_train_function_theano", inputs, args,
-                                            update_rule, x, y)
+    inputs, update_rule, args = parse_form("make_train_function_theano", inputs, args,
+                                           update_rule, x, y)
     inputs = inputs + _as_var_list(bcast_inputs or [])
     grad_updates, param_updates, grad_shared = update_rule(loss, params, *args, **kwargs)
     with compiling():
