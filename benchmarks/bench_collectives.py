@@ -27,6 +27,8 @@ import time
 import numpy as np
 from tqdm import tqdm
 
+from common import pyplot
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 KB, MB = 1 << 10, 1 << 20
@@ -246,12 +248,8 @@ def main():
                   f"{'ok' if not slower else 'MISSED at ' + ', '.join(slower)}")
     print(f"\n(total {time.perf_counter() - t_start:.0f} s)  {csv_path}")
 
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no figure")
+    plt = pyplot("matplotlib not installed: no figure")
+    if plt is None:
         return
     fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharex=True)
     x = np.array(sizes)

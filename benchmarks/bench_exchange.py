@@ -42,9 +42,10 @@ import time
 
 import numpy as np
 
+from common import write_results
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-RESULTS = os.path.join(HERE, "results")
 MB = 1 << 20
 PATHS = ("fp32", "fp16", "fp16+EF", "f16 all_reduce")
 
@@ -205,10 +206,7 @@ def main(argv=None):
     if a.mpi:
         results["mpi"] = run_mpi(dict(spec, n=2), a.shm_size)
         print(table(results["mpi"], "two simulated hosts (mpiexec), one rank each (medians)"))
-    os.makedirs(RESULTS, exist_ok=True)
-    path = os.path.join(RESULTS, "exchange_allreduce.json")
-    with open(path, "w") as fh:
-        json.dump(results, fh, indent=1)
+    path = write_results(results, "exchange_allreduce.json")
     print(f"saved {path}")
     return results
 

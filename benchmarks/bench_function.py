@@ -14,24 +14,14 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 
+from common import RESULTS, call_times, pyplot, write_results
+
 HERE = os.path.dirname(os.path.abspath(__file__))
+# the demos' folder: mlp_graph builds the demo's MLP (demos/mnist_mlp.py)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "demos"))
-RESULTS = os.path.join(HERE, "results")
-
-
-def call_times(fn, reps, inner=1):
-    """``reps`` mean times (seconds) of ``inner`` calls of ``fn`` each."""
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        ts.append((time.perf_counter() - t) / inner)
-    return ts
 
 
 def median_time(fn, reps, inner=1):
@@ -193,26 +183,21 @@ def report(rows):
         print("\nStart-up: build + first call (s)      cold cache   warm cache")
         print(f"  {'one PyTensor process':34s} {st['serial_cold']:8.2f}   {st['serial_warm']:8.2f}")
         print(f"  {'synk n=2 (function+distribute+call)':34s} {st['synk_cold']:8.2f}   {st['synk_warm']:8.2f}")
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "function.json"), "w") as fh:
-        json.dump(rows, fh, indent=1)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
-        ax[0].bar(["PyTensor", "synk Data", "synk numpy"],
-                  [o["pytensor_us"], o["synk_data_us"], o["synk_numpy_us"]], color=["gray", "C0", "C1"])
-        ax[0].set_ylabel("µs per call"); ax[0].set_title("per-call time, tiny function, n=2")
-        ax[1].bar(["PyTensor 1 thr", "PyTensor all cores", "synk n=2"],
-                  [s["serial_1thread_s"] * 1e3, s["serial_allcores_s"] * 1e3, s["synk_s"] * 1e3],
-                  color=["gray", "silver", "C0"])
-        ax[1].set_ylabel("ms per call"); ax[1].set_title(f"MLP gradient, batch {s['batch']}")
-        fig.tight_layout()
-        fig.savefig(os.path.join(RESULTS, "function.png"), dpi=110)
-        print(f"\nsaved {os.path.join(RESULTS, 'function.png')}")
-    except ImportError:
-        print("(matplotlib not installed: no plot)")
+    write_results(rows, "function.json")
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
+    ax[0].bar(["PyTensor", "synk Data", "synk numpy"],
+              [o["pytensor_us"], o["synk_data_us"], o["synk_numpy_us"]], color=["gray", "C0", "C1"])
+    ax[0].set_ylabel("µs per call"); ax[0].set_title("per-call time, tiny function, n=2")
+    ax[1].bar(["PyTensor 1 thr", "PyTensor all cores", "synk n=2"],
+              [s["serial_1thread_s"] * 1e3, s["serial_allcores_s"] * 1e3, s["synk_s"] * 1e3],
+              color=["gray", "silver", "C0"])
+    ax[1].set_ylabel("ms per call"); ax[1].set_title(f"MLP gradient, batch {s['batch']}")
+    fig.tight_layout()
+    fig.savefig(os.path.join(RESULTS, "function.png"), dpi=110)
+    print(f"\nsaved {os.path.join(RESULTS, 'function.png')}")
 
 
 if __name__ == "__main__":

@@ -24,11 +24,10 @@ import time
 
 import numpy as np
 
-from bench_function import call_times      # (this directory: the script's own)
+from common import RESULTS, call_times, pyplot, write_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-RESULTS = os.path.join(HERE, "results")
 
 GOALS = {"call_added_us": ("added per-call overhead, trivial function", 20, "us"),
          "train_step_us": ("training step, tiny model (16-16-2, SGD)", 60, "us"),
@@ -157,17 +156,11 @@ def main():
         ok = table["this checkout"][k]
         mark = "" if ok is None or goal is None else (" met" if ok <= goal else " missed")
         print(f"{label:44s} " + " ".join(cells) + f" {'-' if goal is None else '<= ' + str(goal):>8s}{mark}")
-    os.makedirs(RESULTS, exist_ok=True)
     res = dict(repos=repos, rounds=runs, best=table, goals={k: g[1] for k, g in GOALS.items()},
                time=time.strftime("%Y-%m-%d %H:%M:%S"), cores=os.cpu_count())
-    with open(os.path.join(RESULTS, "latency.json"), "w") as fh:
-        json.dump(res, fh, indent=1)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plot)")
+    write_results(res, "latency.json")
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, len(GOALS), figsize=(2.8 * len(GOALS), 3.6))
     for ax, (k, (label, goal, unit)) in zip(axes, GOALS.items()):

@@ -66,9 +66,12 @@ import time
 
 import numpy as np
 
+from common import RESULTS, pyplot, write_results
+
+from synkhronos import machine_load
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-RESULTS = os.path.join(HERE, "results")
 PROG = os.path.join(HERE, "_mpi_bench_prog.py")
 DEMO = os.path.join(ROOT, "demos", "mnist_mlp.py")
 KB, MB, GB = 1 << 10, 1 << 20, 1 << 30
@@ -126,23 +129,6 @@ def is_generated_src(path):
             return fh.read(256).lstrip().startswith(b"def ")
     except OSError:
         return False
-
-
-class CpuShare:
-    """Share of the machine's CPU (0..1) busy between creation and ``share()`` (/proc/stat)."""
-
-    def __init__(self):
-        self.start = self._read()
-
-    @staticmethod
-    def _read():
-        with open("/proc/stat") as f:
-            v = [int(t) for t in f.readline().split()[1:9]]
-        return sum(v) - v[3] - v[4], sum(v)
-
-    def share(self):
-        b1, t1 = self._read()
-        return (b1 - self.start[0]) / max(1, t1 - self.start[1])
 
 
 class Bench:
@@ -418,7 +404,7 @@ def main():
     log(f"bench_mpi: hosts {', '.join(HOSTS)} x 2 ranks, {cores} cores here, rounds {rounds}, "
         f"placements {', '.join(placements)}, sizes {', '.join(fmt_size(s) for s in sizes)}, "
         f"/dev/shm {shm_size} per host")
-    idle = CpuShare()
+    idle = machine_load.MachineLoad()
     time.sleep(1.0)
     busy_before = idle.share()
     load_before = os.getloadavg()[0]
@@ -431,7 +417,7 @@ def main():
                           rounds=rounds, placements=placements, sizes=sizes, reps=reps,
                           warmup=warm, quick=args.quick, shm_size=shm_size, demo_args=DEMO_ARGS,
                           python=sys.executable, busy_before=busy_before, loadavg_before=load_before)}
-    during = CpuShare()
+    during = machine_load.MachineLoad()
     t_all = time.perf_counter()
     demos = {"two_hosts": [], "one_host": []}
     prefixes = []
@@ -593,21 +579,14 @@ def main():
                             loadavg_after=os.getloadavg()[0]),
                session_prefixes=len(prefixes), generated_src_files_removed=generated_src,
                issues=issues, total_s=total)
-    os.makedirs(args.out, exist_ok=True)
-    jpath = os.path.join(args.out, "mpi.json")
-    with open(jpath, "w") as fh:
-        json.dump(res, fh, indent=1)
+    jpath = write_results(res, "mpi.json", args.out)
     print(jpath)
     plot(sizes, ar, ov, os.path.join(args.out, "mpi.png"))
 
 
 def plot(sizes, ar, ov, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no figure")
+    plt = pyplot("matplotlib not installed: no figure")
+    if plt is None:
         return
     x = np.array(sizes)
     fig, ax = plt.subplots(1, 3, figsize=(16, 4.6))

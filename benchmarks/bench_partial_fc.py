@@ -31,9 +31,11 @@ import time
 
 import numpy as np
 
+from common import RESULTS, pyplot, write_results
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-RESULTS = os.path.join(HERE, "results")
+# the demos' folder: the model is the partial FC demo's (demos/partial_fc.py)
 sys.path.insert(0, os.path.join(ROOT, "demos"))
 
 N_IN, HIDDEN, N_ROWS = 64, 64, 4096
@@ -159,12 +161,8 @@ def table(results):
 
 
 def plot(results, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plot)")
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     series = {}
@@ -214,9 +212,7 @@ def main(argv=None):
             results.append(run_case(mode, c, n, args))
     print()
     print(table(results))
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "partial_fc.json"), "w") as fh:
-        json.dump(results, fh, indent=1)
+    write_results(results, "partial_fc.json")
     plot(results, os.path.join(RESULTS, "partial_fc.png"))
 
 

@@ -13,18 +13,13 @@ through the public API only:
 Usage: python benchmarks/bench_step_parts.py [--batches 64,256] [--reps 9]
 Prints a table and saves benchmarks/results/step_parts.json."""
 import argparse
-import json
 import os
-import sys
 import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "demos"))
-
-import bench_training as bt                  # noqa: E402  (the model and data)
-from bench_function import call_times        # noqa: E402
+import models                                # the model and data (benchmarks/models.py)
+from common import call_times, write_results
 
 
 def main():
@@ -45,10 +40,10 @@ def main():
     out = {}
     try:
         x = pt.matrix("x", dtype="float32")
-        y, loss, params = bt.build("mlp784", x)
+        y, loss, params = models.build("mlp784", x)
         step = train.make_train_function(loss, params, [x, y], updates.adam, learning_rate=1e-3)
         synk.distribute()
-        X, Y = bt.model_data("mlp784", rng)
+        X, Y = models.model_data("mlp784", rng)
         Xd, Yd = synk.data(X), synk.data(Y)
         grad_var = step.grad_shared
         for B in [int(b) for b in args.batches.split(",")]:
@@ -93,10 +88,8 @@ def main():
                 print(f"  {k:58s} {v * 1e3:8.3f} ms")
     finally:
         synk.close()
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "step_parts.json"), "w") as fh:
-        json.dump(dict(results=out, cores=os.cpu_count(), time=time.strftime("%Y-%m-%d %H:%M:%S")), fh,
-                  indent=1)
+    write_results(dict(results=out, cores=os.cpu_count(), time=time.strftime("%Y-%m-%d %H:%M:%S")),
+                  "step_parts.json")
 
 
 if __name__ == "__main__":

@@ -53,27 +53,13 @@ import time
 
 import numpy as np
 
+from common import RESULTS, pyplot, write_results
+from models import MODELS, N_ROWS, build, model_data
+
+from synkhronos import machine_load
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-DEMOS = os.path.join(ROOT, "demos")
-RESULTS = os.path.join(HERE, "results")
-sys.path.insert(0, DEMOS)
-
-N_IN, N_ROWS = 64, 8192          # 8x8 images, enough rows for any batch here
-
-# The models: the demos' two, and the two of the comparison with PyTorch (``--torch``):
-# ``sizes`` are the layer widths of a relu MLP (the last layer linear); ``steps_factor``
-# multiplies the steps per timed run (a tiny model's step is too short to time alone).
-MODELS = {
-    "mlp": dict(desc="MLP 64-1024-1024-10 (demos/mnist_mlp.py)", n_in=N_IN, n_out=10),
-    "cnn": dict(desc="CNN conv3x3(16)-pool-conv3x3(32)-pool-dense(128)-10 (demos/mnist_cnn.py)",
-                n_in=N_IN, n_out=10),
-    "mlp784": dict(desc="MLP 784-512-512-10", sizes=(784, 512, 512, 10)),
-    "tiny": dict(desc="MLP 16-16-2", sizes=(16, 16, 2), steps_factor=10, plot="time"),
-}
-for _m in MODELS.values():
-    if "sizes" in _m:
-        _m["n_in"], _m["n_out"] = _m["sizes"][0], _m["sizes"][-1]
 
 RULES = {"adam": 1e-3, "sgd": 0.01}                  # update rule -> learning rate (both sides)
 
@@ -82,58 +68,6 @@ TORCH_REQ = "torch==2.13.0"                           # here: a CPU wheel on loc
 TORCH_HELPER = os.path.join(HERE, "_torch_train.py")
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
                "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS", "NUMBA_NUM_THREADS")
-
-
-def save_results(res, name):
-    """Write ``res`` to ``results/name``; matplotlib's pyplot for the plot, or None when
-    matplotlib is not installed."""
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, name), "w") as fh:
-        json.dump(res, fh, indent=1)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plot)")
-        return None
-    return plt
-
-
-def mlp_params(sizes, seed, dtype="float32"):
-    """Shared parameters of a relu MLP of layer widths ``sizes``, initialised as
-    ``demos/mnist_mlp.py`` does, and its forward function."""
-    from mnist_mlp import mlp_params as demo_mlp_params
-    return demo_mlp_params(sizes, seed, dtype)
-
-
-def build(model, x, seed=0):
-    """(y, loss, params) of one of ``MODELS`` on the float32 input matrix ``x``: softmax
-    cross-entropy, mean over the rows."""
-    import pytensor.tensor as pt
-    y = pt.ivector("y")
-    if model == "mlp":
-        from mnist_mlp import build_mlp
-        params, forward = build_mlp(N_IN, 1024, 10, seed)
-        logits = forward(x)
-    elif model == "cnn":
-        import layers
-        m = layers.cnn(x, 8, 8, channels=(16, 32), hidden=128, seed=seed)
-        params, logits = m.params, m.logits
-    else:
-        params, forward = mlp_params(MODELS[model]["sizes"], seed)
-        logits = forward(x)
-    logp = pt.special.log_softmax(logits, axis=-1)
-    return y, pt.mean(-logp[pt.arange(y.shape[0]), y]), params
-
-
-def model_data(model, rng):
-    """A training set shaped for ``model``: random values (throughput does not depend on
-    them), ``N_ROWS`` rows, int32 labels."""
-    m = MODELS[model]
-    X = rng.random((N_ROWS, m["n_in"]), dtype=np.float32)
-    Y = rng.integers(0, m["n_out"], N_ROWS).astype(np.int32)
-    return X, Y
 
 
 WARM_S = 0.15      # untimed steps before each timed run (see ``timed``)
@@ -384,7 +318,7 @@ def report_contenders(times, models, batches, cores, rule, reps, n_steps, info, 
     print(f"\nContenders: {who}; {rule} step incl. batch gather, float32; {cores} cores; "
           f"median of {reps} runs; load average {loads[0]} -> {loads[1]}")
     print("  CPU kept busy by other programs: "
-          + ", ".join(f"{k}: {'?' if b is None else f'{100 * b:.0f}%'}" for k, b in busy.items()))
+          + ", ".join(f"{k}: {machine_load.percent(b)}" for k, b in busy.items()))
     if info:
         print(f"  PyTorch {info['torch']} (Python {info['python']}, CPU build), optimizer "
               f"fused={info.get('impl') == 'fused'}; DDP: gloo over loopback, 2 processes x 1 thread")
@@ -428,7 +362,8 @@ def write_contenders(rows, models, batches, cores, rule, reps, n_steps, info, bu
                load_before=loads[0], load_after=loads[1], busy=busy, rule=rule,
                learning_rate=RULES[rule], reps=reps, dtype="float32", rows_in_training_set=N_ROWS,
                versions=versions(), torch=info, contenders=labels, results=rows)
-    plt = save_results(res, "training_torch.json")
+    write_results(res, "training_torch.json")
+    plt = pyplot()
     if plt is None:
         return
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.8), squeeze=False)
@@ -491,24 +426,23 @@ def versions():
 
 def wait_quiet(seconds, progress):
     """Wait up to ``seconds`` for other programs to use under 10% of the machine."""
-    from harness import machine_busy
     end = time.monotonic() + seconds
-    b = machine_busy(1.0)
-    while b is not None and b >= 0.10 and time.monotonic() < end:
-        progress.write(f"(other programs use {100 * b:.0f}% of the CPU: waiting)")
+    b = machine_load.machine_busy(1.0)
+    while b is not None and b >= machine_load.BUSY and time.monotonic() < end:
+        progress.write(f"(other programs use {machine_load.percent(b)} of the CPU: waiting)")
         time.sleep(4.0)
-        b = machine_busy(1.0)
+        b = machine_load.machine_busy(1.0)
     return b
 
 
 STARTUP_CHILD = r"""
 import json, sys, time
-sys.path.insert(0, {here!r}); sys.path.insert(0, {demos!r})
+sys.path.insert(0, {here!r})
 import numpy as np
 import pytensor
 pytensor.config.floatX = "float32"
 import pytensor.tensor as pt
-from bench_training import build, N_IN
+from models import build, N_IN
 from synkhronos.extensions import updates
 model, mode, B = sys.argv[1], sys.argv[2], int(sys.argv[3])
 X = np.random.default_rng(1).random((B, N_IN), dtype=np.float32)
@@ -547,7 +481,7 @@ print("STARTUP " + json.dumps(r))
 
 
 def startup(models, batch, progress):
-    code = STARTUP_CHILD.format(here=HERE, demos=DEMOS)
+    code = STARTUP_CHILD.format(here=HERE)
     out = {}
     with tempfile.TemporaryDirectory(prefix="synk_bench_train_cache_") as tmp:
         for model in models:
@@ -567,11 +501,9 @@ def startup(models, batch, progress):
 
 
 def load_note():
-    try:
-        with open("/proc/loadavg") as f:
-            return f.read().split()[0]
-    except OSError:
-        return "?"
+    """The 1-minute load average as ``/proc/loadavg`` writes it, or "?"."""
+    la = machine_load.load_average()
+    return "?" if la is None else f"{la:.2f}"
 
 
 def main():
@@ -636,15 +568,13 @@ def main():
         if args.torch:
             total += len(tmodels) * len(tbatches)
         prog = tqdm(total=total, desc="bench_training", file=sys.stderr)
-        from harness import machine_busy
         if args.torch:
             busy = {}
             if args.wait_quiet > 0:
                 wait_quiet(args.wait_quiet, prog)
             loads = [load_note()]
-            busy["before"] = machine_busy(1.0)
-            from harness import OtherLoad
-            during = OtherLoad()
+            busy["before"] = machine_load.machine_busy(1.0)
+            during = machine_load.OtherLoad()
             times = contenders(tmodels, tbatches, reps, n_steps, cores, args.rule, tc, prog)
             busy["during"] = during.share()
             loads.append(load_note())
@@ -658,7 +588,7 @@ def main():
             for n in ns:
                 if args.wait_quiet > 0:
                     wait_quiet(args.wait_quiet, prog)
-                dbusy[n] = machine_busy(1.0)          # other programs, before the session starts
+                dbusy[n] = machine_load.machine_busy(1.0)          # other programs, before the session starts
                 thr.update(session(n, models, batches, reps, n_steps, n == ns[-1], cores, prog))
             st = None if args.skip_startup else startup(models, 128, prog)
         prog.close()
@@ -678,7 +608,7 @@ def report(thr, st, models, batches, cores, ns, load0, load1, busy):
     print(f"\nTraining throughput, samples/s (Adam step incl. batch gather; {cores} cores; "
           f"load average {load0} -> {load1})")
     print("  CPU kept busy by other programs just before each session: "
-          + ", ".join(f"n={n}: {'?' if b is None else f'{100 * b:.0f}%'}" for n, b in busy.items()))
+          + ", ".join(f"n={n}: {machine_load.percent(b)}" for n, b in busy.items()))
     head = f"  {'model':5s} {'batch':>5s} " + " ".join(f"{c:>20s}" for c in cols)
     print(head + f" {'synk n=2 / all cores':>21s} {'/ 1 thread':>11s}")
     rows = []
@@ -703,7 +633,8 @@ def report(thr, st, models, batches, cores, ns, load0, load1, busy):
                 print(f"  {m:5s} {label:34s} {c['total']:11.1f} {w['total']:11.1f}   {c['first_step']:.1f}")
                 srows.append(dict(model=m, mode=mode, cold=c, warm=w))
         res["startup"] = srows
-    plt = save_results(res, "training.json")
+    write_results(res, "training.json")
+    plt = pyplot()
     if plt is None:
         return
     fig, axes = plt.subplots(1, 2 if st is not None else 1, figsize=(12 if st is not None else 7, 4.2),

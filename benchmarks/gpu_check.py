@@ -23,9 +23,10 @@ import time
 
 import numpy as np
 
+from common import write_results
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-RESULTS = os.path.join(HERE, "results")
 KB, MB = 1 << 10, 1 << 20
 
 
@@ -104,7 +105,7 @@ def c_overhead(a):
     f_plain = pytensor.function([x, y], z, mode="JAX")
     # MLP training step: SGD updates, loss out
     rng = np.random.default_rng(0)
-    sys.path.insert(0, os.path.join(ROOT, "demos"))
+    sys.path.insert(0, os.path.join(ROOT, "demos"))  # the demos' folder: the demo's model builder
     from mnist_mlp import mlp_params            # the demo's MLP (demos/mnist_mlp.py)
     xm = pt.fmatrix("xm")
     ym = pt.ivector("ym")
@@ -176,7 +177,7 @@ def c_allreduce(a):
 
 
 def c_demo(a):
-    sys.path.insert(0, os.path.join(ROOT, "demos"))
+    sys.path.insert(0, os.path.join(ROOT, "demos"))  # the demos' folder: their model builders
     import pytensor
     pytensor.config.floatX = "float32"
     import pytensor.tensor as pt
@@ -333,10 +334,7 @@ def main():
         results["allreduce"] = run_allreduce(plat, n_gpus, a.quick, max_mb)
     if a.what in ("all", "demos"):
         results["demos"] = run_demos(plat, a.quick)
-    os.makedirs(RESULTS, exist_ok=True)
-    path = os.path.join(RESULTS, f"gpu_check_{plat}.json")
-    with open(path, "w") as fh:
-        json.dump(results, fh, indent=1)
+    path = write_results(results, f"gpu_check_{plat}.json")
     print(f"\nresults: {os.path.relpath(path, ROOT)}")
     failed = [k for k, v in results.items() if isinstance(v, dict) and "error" in v]
     return 1 if failed else 0

@@ -26,7 +26,7 @@ to float32 rounding.  That rounding differs with the batch split and the number 
 threads, and where it moves a ReLU or max-pool input across its switching point Adam
 carries the difference on: with the default options the ranks ended 2.2e-06 from the
 one-thread serial run but 5.3e-02 from the two-thread one, where a dense-layer ReLU flipped
-at step 7; with ``--float64`` all of them agree to 1.3e-15 (see ``demos/harness.py``).
+at step 7; with ``--float64`` all of them agree to 1.3e-15 (see ``demos/report.py``).
 
 Data patterns (``--data-pattern``), as in the MLP demo: ``batch`` passes the whole training
 set (a ``synk.Data``) with a shuffled index array (``batch=idx``) every step; ``scatter``
@@ -37,17 +37,18 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import harness  # noqa: E402  (demos/harness.py)
+import harness  # noqa: E402  (demos/harness.py: the training run)
+import options  # noqa: E402  (demos/options.py: the options every demo takes)
 
 
 def parse_args(argv=None):
-    p = harness.make_parser(__doc__, epochs=15, batch_size=128)
-    p.add_argument("--channels", type=harness.int_list, default=(16, 32), metavar="C1,C2,...",
+    p = options.make_parser(__doc__, epochs=15, batch_size=128)
+    p.add_argument("--channels", type=options.int_list, default=(16, 32), metavar="C1,C2,...",
                    help="output channels of each conv stage, comma-separated; one stage per "
                         "entry (default: 16,32)")
-    p.add_argument("--hidden", type=harness.positive_int, default=128, metavar="H",
+    p.add_argument("--hidden", type=options.positive_int, default=128, metavar="H",
                    help="units of the dense layer (default: %(default)s)")
-    return harness.parse(p, argv)
+    return options.parse(p, argv)
 
 
 def main(argv=None):

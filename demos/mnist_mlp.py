@@ -43,14 +43,15 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import harness  # noqa: E402  (demos/harness.py)
+import harness  # noqa: E402  (demos/harness.py: the training run)
+import options  # noqa: E402  (demos/options.py: the options every demo takes)
 
 
 def parse_args(argv=None):
-    p = harness.make_parser(__doc__, epochs=20, batch_size=512)
-    p.add_argument("--hidden", type=harness.positive_int, default=1024, metavar="H",
+    p = options.make_parser(__doc__, epochs=20, batch_size=512)
+    p.add_argument("--hidden", type=options.positive_int, default=1024, metavar="H",
                    help="units in each of the 2 hidden layers (default: %(default)s)")
-    return harness.parse(p, argv)
+    return options.parse(p, argv)
 
 
 def build_mlp(n_in, n_hidden, n_out, seed, dtype="float32"):

@@ -44,18 +44,19 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import harness  # noqa: E402  (demos/harness.py)
+import harness  # noqa: E402  (demos/harness.py: the training run)
+import options  # noqa: E402  (demos/options.py: the options every demo takes)
 
 # batch norm trains well at a larger step than the MLP's Adam 1e-3
-LEARNING_RATES = {**harness.RULE_LR, "adam": 3e-3}
+LEARNING_RATES = {**options.RULE_LR, "adam": 3e-3}
 
 
 def parse_args(argv=None):
-    p = harness.make_parser(__doc__, epochs=15, batch_size=128, learning_rates=LEARNING_RATES)
-    p.add_argument("--width", type=harness.positive_int, default=8, metavar="C",
+    p = options.make_parser(__doc__, epochs=15, batch_size=128, learning_rates=LEARNING_RATES)
+    p.add_argument("--width", type=options.positive_int, default=8, metavar="C",
                    help="channels of the stem and the first stage; each later stage doubles "
                         "them (default: %(default)s)")
-    p.add_argument("--blocks", type=harness.int_list, default=(1, 1), metavar="N1,N2,...",
+    p.add_argument("--blocks", type=options.int_list, default=(1, 1), metavar="N1,N2,...",
                    help="basic blocks per stage, comma-separated; one stage per entry "
                         "(default: 1,1)")
     p.add_argument("--resnet50", action="store_true",
@@ -68,7 +69,7 @@ def parse_args(argv=None):
                    help="PyTensor compile mode: NUMBA (numba JIT) or FAST_COMPILE (NumPy "
                         "implementations, no JIT); default: PyTensor's own (NUMBA) for the "
                         "small ResNet, FAST_COMPILE for --resnet50")
-    a = harness.parse(p, argv)
+    a = options.parse(p, argv)
     if a.mode is None:
         a.mode = "FAST_COMPILE" if a.resnet50 else None
     if a.image_size is None and a.resnet50:

@@ -2,6 +2,7 @@
 
 The graphs are the same as the default demo's (only sizes differ), so after one run (or a
 demo run) the JIT comes from the on-disk cache and each case takes seconds."""
+import importlib
 import os
 import re
 import subprocess
@@ -76,10 +77,9 @@ def test_demo_output_has_no_bad_plurals_or_carriage_returns():
     assert "\r" not in proc.stdout + proc.stderr
 
 
-def _harness():
+def _demo_module(name):
     sys.path.insert(0, os.path.join(ROOT, "demos"))
-    import harness
-    return harness
+    return importlib.import_module(name)
 
 
 def test_harness_progress_lines_and_load_verdict():
@@ -87,23 +87,26 @@ def test_harness_progress_lines_and_load_verdict():
     appears exactly when other programs used at least 10% of the CPU."""
     import io
     import time
-    h = _harness()
+
+    from synkhronos import machine_load
+    display, report = _demo_module("display"), _demo_module("report")
     s = io.StringIO()
-    with h.Progress(12, "serial (2 threads) epoch 1/1", "lines", every=0.02, stream=s) as pb:
+    with display.Progress(12, "serial (2 threads) epoch 1/1", "lines", every=0.02, stream=s) as pb:
         for k in range(12):
             time.sleep(0.01)
             pb.step(1.0 / (k + 1))
     out = s.getvalue()
     assert out and "\r" not in out
     assert all(ln.startswith("  serial (2 threads) epoch 1/1: step ") for ln in out.splitlines())
-    assert h.progress_mode(True) == "off"
-    assert h.progress_mode(False, stream=io.StringIO()) == "lines"
-    assert h.plural(1, "rank") == "1 rank" and h.plural(2, "rank") == "2 ranks"
+    assert display.progress_mode(True) == "off"
+    assert display.progress_mode(False, stream=io.StringIO()) == "lines"
+    assert report.plural(1, "rank") == "1 rank" and report.plural(2, "rank") == "2 ranks"
 
-    line, caveat = h.load_verdict(0.01, 0.02, 0.0, 0.3, 0.4)
+    line, caveat = machine_load.load_verdict(0.01, 0.02, 0.0, 0.3, 0.4)
     assert caveat == "" and "2% during" in line
-    line, caveat = h.load_verdict(0.01, 0.45, 0.02, 0.3, 1.9)
+    line, caveat = machine_load.load_verdict(0.01, 0.45, 0.02, 0.3, 1.9)
     assert "CAUTION: speedups unreliable" in caveat and "45%" in caveat and "~10x" in caveat
-    assert h.load_verdict(None, None, None, None, None)[1] == ""
-    share = h.OtherLoad().share()
-    assert share is None or 0.0 <= share <= 1.0
+    assert machine_load.load_verdict(None, None, None, None, None)[1] == ""
+    for load in (machine_load.OtherLoad(), machine_load.MachineLoad()):
+        share = load.share()
+        assert share is None or 0.0 <= share <= 1.0
