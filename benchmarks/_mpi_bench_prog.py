@@ -6,7 +6,8 @@ to show progress: the output of several hosts can interleave on stdout).
 Modes:
 
 * ``synk_allreduce``: ``synk.fork(n)``; one float32 shared variable per size, all registered
-  by one function (called only after the timed calls, to check the values); per size: ``synk.broadcast`` a value, then time
+  by one function (called only after the timed calls, to check the values); per size:
+  ``synk.broadcast`` a value, then time
   ``synk.all_reduce(var, "sum")`` in the master (call to return: every rank of every host
   done) ``warmup + reps`` times.  The variable's storage stays the collective's result
   between repetitions (as in training: nothing is re-set), so the value is multiplied by n

@@ -128,7 +128,8 @@ class Contender:
 def _key(req):
     return (int(req.get("threads", 0)), tuple(int(s) for s in req["sizes"]), int(req["batch"]),
             int(req["steps"]), req.get("rule", "adam"), float(req.get("lr", 1e-3)),
-            int(req.get("seed", 0)), int(req.get("n_rows", 8192)), json.dumps(req.get("ddp_kwargs", {}), sort_keys=True))
+            int(req.get("seed", 0)), int(req.get("n_rows", 8192)),
+            json.dumps(req.get("ddp_kwargs", {}), sort_keys=True))
 
 
 def _ddp_rank(rank, world, port, conn):

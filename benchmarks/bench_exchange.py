@@ -27,7 +27,7 @@ as many bytes as float32.
 Also the parameter server (``ParameterServer.run``, n - 1 workers): the time per applied
 update of a model whose gradient has the size (trivial compute: a round trip is the
 gradient up, the update rule in the master, the weights down); under ``--mpi`` the worker
-is on the other host (its host's agent relays it, ``backends.mpi_channel``).
+is on the other host (its host's agent relays it, ``backends.mpi.channel``).
 
 Prints a table; saves ``benchmarks/results/exchange_allreduce.json``.
 
@@ -35,7 +35,6 @@ Usage: python benchmarks/bench_exchange.py [--n 2] [--sizes 64] [--reps 15] [--m
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -60,7 +59,7 @@ def timed(fn, before=None):
 
 def kernels(size, reps):
     """Conversions of ``size`` bytes of float32 in this process: numba kernels vs numpy."""
-    from synkhronos.backends import half
+    from synkhronos.kernels import half
     n = size // 4
     rng = np.random.default_rng(0)
     x = (rng.standard_normal(n) * 1e-2).astype(np.float32)

@@ -190,11 +190,13 @@ def report(rows):
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
     ax[0].bar(["PyTensor", "synk Data", "synk numpy"],
               [o["pytensor_us"], o["synk_data_us"], o["synk_numpy_us"]], color=["gray", "C0", "C1"])
-    ax[0].set_ylabel("µs per call"); ax[0].set_title("per-call time, tiny function, n=2")
+    ax[0].set_ylabel("µs per call")
+    ax[0].set_title("per-call time, tiny function, n=2")
     ax[1].bar(["PyTensor 1 thr", "PyTensor all cores", "synk n=2"],
               [s["serial_1thread_s"] * 1e3, s["serial_allcores_s"] * 1e3, s["synk_s"] * 1e3],
               color=["gray", "silver", "C0"])
-    ax[1].set_ylabel("ms per call"); ax[1].set_title(f"MLP gradient, batch {s['batch']}")
+    ax[1].set_ylabel("ms per call")
+    ax[1].set_title(f"MLP gradient, batch {s['batch']}")
     fig.tight_layout()
     fig.savefig(os.path.join(RESULTS, "function.png"), dpi=110)
     print(f"\nsaved {os.path.join(RESULTS, 'function.png')}")

@@ -34,7 +34,7 @@ KB, MB = 1 << 10, 1 << 20
 
 def platform():
     sys.path.insert(0, ROOT)
-    from synkhronos.device import gpu_backend_missing, gpu_count, visible_gpus
+    from synkhronos.backends.host.gpus import gpu_backend_missing, gpu_count, visible_gpus
     n = gpu_count()
     return ("gpu" if n else "cpu"), n, visible_gpus(), gpu_backend_missing()
 

@@ -53,7 +53,7 @@ fi
 mode="$("$PY" - <<'EOF'
 import sys
 sys.path.insert(0, ".")
-from synkhronos.device import gpu_backend_missing, gpu_count, visible_gpus
+from synkhronos.backends.host.gpus import gpu_backend_missing, gpu_count, visible_gpus
 n, vis, miss = gpu_count(), visible_gpus(), gpu_backend_missing()
 if n:
     print(f"GPU mode: {n} GPU(s) ({', '.join(vis)})")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh test docs demos jax mpi) and run the test suite. Extra args go to
+# Set up (scripts/setup.sh test docs demos jax mpi), lint (ruff) and run the test suite. Extra args go to
 # pytest. Slow tests are deselected unless -m is given or SYNK_SLOW=1.
 # Then the functional tests (marker "functional", see tests/conftest.py) run a second time
 # on PyTensor's JAX backend (SYNK_MODE=JAX); SYNK_JAX_PASS=0 skips that pass, and it is
@@ -12,6 +12,12 @@ cd "$ROOT"
 export PYTHONUNBUFFERED=1
 
 bash scripts/setup.sh test docs demos jax mpi   # demos, docs, JAX and several machines are tested too
+
+# the linter first (its configuration: pyproject.toml, [tool.ruff]); a finding fails the run
+if ! .venv/bin/ruff check --quiet .; then
+    echo "synkhronos test: ruff found problems (see above; 'ruff check --fix .' fixes some)" >&2
+    exit 1
+fi
 
 args=("$@")
 have_m=0

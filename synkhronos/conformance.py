@@ -223,7 +223,7 @@ def _abort(me):
 
 
 def _name(obj):
-    from .backends.registry import name_of
+    from .backends import name_of
     return name_of(obj)
 
 

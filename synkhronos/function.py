@@ -13,7 +13,6 @@ rebuilds them.  A call goes through five steps, all but "run" in the master:
 import pickle
 import sys
 import time
-from collections import OrderedDict
 
 import numpy as np
 
@@ -21,83 +20,16 @@ from . import shards
 from .commands import worker_command
 from .data import Data, array_ref, condition, owner, plan_key, resize
 from .errors import BadArgument, OutOfRange
+from .function_args import (as_list, check_collective_rows, check_collectives, parse_outputs, parse_updates,
+                            sliced_givens)
 from .plans import CallPlan, Rows, arrays_from_wire, arrays_to_wire, call_from_wire, call_needs, call_to_wire
 from .progress import busy
-from .reductions import OUTPUT_MODES, check_mode, combine
+from .reductions import combine
 from .replica import Replica, follow_up
 from .session import get_session
 
 # ------------------------------------------------------------------------------------------
 # Building
-
-
-def _parse_outputs(outputs):
-    """-> (variables, modes, return_list)."""
-    if outputs is None:
-        return [], [], True
-
-    def one(o):
-        if isinstance(o, tuple):
-            if len(o) != 2 or not (o[1] is None or isinstance(o[1], str)):
-                raise TypeError("output tuples must be (variable, reduce mode), e.g. (loss, 'sum'); "
-                                f"got {o!r}")
-            return o[0], check_mode(o[1], OUTPUT_MODES, "output reduce mode")
-        return o, "avg"
-
-    if isinstance(outputs, list):
-        pairs = [one(o) for o in outputs]
-        return [p[0] for p in pairs], [p[1] for p in pairs], True
-    v, m = one(outputs)
-    return [v], [m], False
-
-
-def _parse_updates(updates):
-    """-> list of (shared var, update expression, mode)."""
-    from pytensor.compile.sharedvalue import SharedVariable
-    if updates is None:
-        return []
-    if isinstance(updates, dict):
-        items = [(k, v, "avg") for k, v in updates.items()]
-    elif isinstance(updates, (list, tuple)):
-        items = []
-        for u in updates:
-            if not isinstance(u, tuple) or len(u) not in (2, 3):
-                raise TypeError(f"updates must be (shared_var, new_value[, reduce mode]) tuples; got {u!r}")
-            mode = check_mode(u[2], OUTPUT_MODES, "update reduce mode") if len(u) == 3 else "avg"
-            if mode == "gather":
-                raise ValueError("an update cannot use reduce mode 'gather'")
-            items.append((u[0], u[1], mode))
-    else:
-        raise TypeError("updates must be a list of (shared_var, new_value[, reduce mode]) tuples or a dict")
-    out = []
-    for var, upd, mode in items:
-        if not isinstance(var, SharedVariable):
-            raise TypeError(f"update targets must be shared variables, got {var!r}")
-        try:   # the same check (and safe conversion) plain PyTensor applies to updates
-            out.append((var, var.type.filter_variable(upd, allow_convert=True), mode))
-        except TypeError as e:
-            raise TypeError(f"update of {var} must have the shared variable's type: {e}") from None
-    return out
-
-
-def _as_list(x, what):
-    if x is None:
-        return []
-    if isinstance(x, (list, tuple)):
-        return list(x)
-    raise TypeError(f"{what} must be a list of variables, got {type(x).__name__}")
-
-
-def _sliced_givens(givens, sliceable, idx):
-    """The givens of the ``batch_s`` variant: every sliceable shared read through ``idx``."""
-    g = OrderedDict()
-    user = list(givens.items()) if isinstance(givens, dict) else list(givens or [])
-    for old, new in user:
-        g[old] = new[idx] if any(new is v for v in sliceable) else new
-    for v in sliceable:
-        if not any(new is v for _, new in user) and v not in g:
-            g[v] = v[idx]
-    return list(g.items())
 
 
 class Function:
@@ -110,13 +42,13 @@ class Function:
     def __init__(self, session, inputs, bcast_inputs, outputs, updates, givens, sliceable_shareds, kwargs):
         from pytensor.compile.sharedvalue import SharedVariable
         self._session = session
-        self._inputs = _as_list(inputs, "inputs")
-        self._bcast = _as_list(bcast_inputs, "bcast_inputs")
+        self._inputs = as_list(inputs, "inputs")
+        self._bcast = as_list(bcast_inputs, "bcast_inputs")
         self._all_inputs = self._inputs + self._bcast
-        out_vars, self._output_modes, self._return_list = _parse_outputs(outputs)
-        ups = _parse_updates(updates)
+        out_vars, self._output_modes, self._return_list = parse_outputs(outputs)
+        ups = parse_updates(updates)
         self._update_modes = [m for _, _, m in ups]
-        sliceable = _as_list(sliceable_shareds, "sliceable_shareds")
+        sliceable = as_list(sliceable_shareds, "sliceable_shareds")
         for v in sliceable:
             if not isinstance(v, SharedVariable):
                 raise TypeError(f"sliceable_shareds must be shared variables, got {v!r}")
@@ -126,7 +58,7 @@ class Function:
         self._allow_downcast = bool(kwargs.get("allow_input_downcast"))
         all_out = out_vars + [u for _, u, _ in ups]
         device = session.device
-        self._collective = _check_collectives(all_out, givens, kwargs.get("mode"), device)
+        self._collective = check_collectives(all_out, givens, kwargs.get("mode"), device)
         f = device.compile(self._all_inputs, all_out, givens=givens, **kwargs)
         shared_of_f = f.get_shared()
         missing = [v for v in sliceable if not any(v is s for s in shared_of_f)]
@@ -136,7 +68,7 @@ class Function:
         if sliceable:
             import pytensor.tensor as pt
             idx = pt.lvector("synk_batch_s_idx")
-            f_s = device.compile(self._all_inputs + [idx], all_out, givens=_sliced_givens(givens, sliceable, idx),
+            f_s = device.compile(self._all_inputs + [idx], all_out, givens=sliced_givens(givens, sliceable, idx),
                                  **kwargs)
         if self._collective:      # rewrites may have removed them: then no constraint
             from .ops import uses_collectives
@@ -345,7 +277,7 @@ class Function:
         if self._sliceable and (sel_s is not None or num_slices > 1 or ns or self._collective):
             self._check_sliceable(sel_s, bounds if ns else None, num_slices)
         if self._collective and ns:
-            _check_collective_rows([bounds[r + 1] - bounds[r] for r in range(n)], num_slices)
+            check_collective_rows([bounds[r + 1] - bounds[r] for r in range(n)], num_slices)
         send = self._send_mask(wanted, self._master_has_rows(ns, bounds, sel_s))
         plan = CallPlan(self._replica.fid, tuple(array_ref(d) for d in datas), Rows(kind, bounds, base, idx_ref, mbs),
                         sel_s, num_slices, send)
@@ -398,7 +330,7 @@ class Function:
             shapes = shapes_of(session, list(key))
             lens = [[s[r][0] for s in shapes] for r in range(session.n)]
             session.lengths.put(key, lens)
-        lens = [list(l) for l in lens]
+        lens = [list(per) for per in lens]
         lens[session.rank] = [len(session.device.get(v)) for v in self._sliceable]   # master may set_value locally
         rows_of = []
         for r in range(session.n):
@@ -419,7 +351,7 @@ class Function:
                                      f"shareds give {srows}; their per-rank lengths must agree "
                                      "(use batch / batch_s to select matching rows)")
         if self._collective and bounds is None:
-            _check_collective_rows(rows_of, num_slices)
+            check_collective_rows(rows_of, num_slices)
 
     def _subset(self, output_subset):
         if output_subset is None:
@@ -611,29 +543,6 @@ def _reserved_keys():
     needs PyTensor, which a session that made functions has imported anyway)."""
     from .ops import RESERVED_KEYS
     return RESERVED_KEYS
-
-
-def _check_collectives(outputs, givens, mode, device):
-    """Whether the graph holds in-graph collectives (``synkhronos.ops``); TypeError, saying
-    why, where they cannot run (``mode="JAX"``, a device off the host)."""
-    if "synkhronos.ops" not in sys.modules:      # no collective can have been built
-        return False
-    ops = sys.modules["synkhronos.ops"]
-    g = list(givens.values()) if isinstance(givens, dict) else [v for _, v in (givens or [])]
-    if not ops.uses_collectives(list(outputs) + g):
-        return False
-    ops.check_backend(mode, device)
-    return True
-
-
-def _check_collective_rows(rows, num_slices):
-    """In-graph collectives need every rank to run its graph the same number of times."""
-    need = max(1, num_slices)
-    if min(rows) < need:
-        raise ValueError(f"this function holds in-graph collectives (synkhronos.ops), which every rank "
-                         f"must run, {need} time(s) per call (num_slices); but the ranks get {list(rows)} "
-                         f"rows (by rank). Give at least {need * len(rows)} rows, spread so that every "
-                         "rank has at least num_slices of them.")
 
 
 # ------------------------------------------------------------------------------------------

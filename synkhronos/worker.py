@@ -38,7 +38,8 @@ def _master_watch(master_pid):
 
 def serve(cfg):
     rank = cfg["rank"]
-    waiter = Waiter(_master_watch(cfg["master_pid"]), None, None, spin=cfg.get("spin"))   # the master watches for stalls
+    # (no stall warnings here: the master watches for stalls)
+    waiter = Waiter(_master_watch(cfg["master_pid"]), None, None, spin=cfg.get("spin"))
     control = backends.attach_control(cfg, rank, waiter)
     debug = cfg.get("debug", False)
     try:

@@ -26,7 +26,7 @@ def main(n):
         h = pytensor.shared(np.zeros(size, np.float16), name="h")
         a = pytensor.shared(np.zeros(size, np.float32), name="a")
         a32 = pytensor.shared(np.zeros(size, np.float32), name="a32")
-        ar = exchange.prepare([a], error_feedback=True)
+        exchange.prepare([a], error_feedback=True)
         synk.function([], outputs=[T.sum(h), T.sum(a32)])
         W = pytensor.shared(np.ones((3, 2), np.float32), name="W")
         x = T.matrix("x", dtype="float32")
@@ -68,7 +68,7 @@ def main(n):
         check(all(np.array_equal(c, centers[0]) for c in centers), "EASGD: centers differ")
         check(easgd.exchanges == 3, "EASGD: exchanges")
         # the parameter server across the groups: workers of the other groups exchange
-        # through their group's agent (backends.mpi_channel)
+        # through their group's agent (backends.mpi.channel)
         Xn = np.asarray(X.data, np.float64)
         before = float(np.mean((Xn @ W.get_value().astype(np.float64)) ** 2))
         res = ps.run(X, max_seconds=1.0, batch_size=2, verbose=False)   # (no worker is sure to send in N steps)

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from synkhronos.backends import registry
+from synkhronos import backends as registry      # (the composition root re-exports the registry)
 from synkhronos.launcher import RankGone
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -1,7 +1,7 @@
 """synkhronos.extensions.exchange: fp16 all-reduce (with error feedback), EASGD, local SGD
 and the asynchronous parameter server.
 
-* the float16 kernels (``backends.half``) are bit-exact with numpy (every float16, random
+* the float16 kernels (``synkhronos.kernels.half``) are bit-exact with numpy (every float16, random
   float32 bit patterns, the comm plane's float16 reduction);
 * the fp16 all-reduce is within its bound of the float32 all-reduce of the same values,
   error feedback keeps sums of many exchanges within one rounding (a value float16 cannot
@@ -392,7 +392,7 @@ class TestSynchronous:
                 for g, w in zip(synk.get_value(r, S.pl), ranks[r]):
                     np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-13)
             if t % K == 0:
-                assert all(np.array_equal(g, l.get_value()) for l in S.pl for g in [synk.get_value(1, l)])
+                assert all(np.array_equal(g, p.get_value()) for p in S.pl for g in [synk.get_value(1, p)])
         assert counter.n("call") == 2 * K + 1
 
 

@@ -10,7 +10,6 @@ import pytensor as theano
 import pytensor.tensor as T
 
 import synkhronos as synk
-import synk_testutil as tu
 
 
 def _usable_cores():

@@ -1,7 +1,6 @@
 """More collectives (2 ranks): unequal shapes, integer averages, one rank at a time."""
 import numpy as np
 import pytensor as theano
-import pytensor.tensor as T
 import synkhronos as synk
 
 synk.fork(2)

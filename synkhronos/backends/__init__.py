@@ -30,7 +30,7 @@ from .host import gpus as host_gpus
 from .host.launcher import worker_argv, worker_environment
 from .mpi import hosts as mpi_hosts
 from .mpi import world as mpi_world
-from .registry import implementation, make_device
+from .registry import REGISTRY, contracts, implementation, make_device, name_of
 from .selection import select_device
 from .shm import segments
 from .shm.reaper import reap_stale_sessions
@@ -39,7 +39,7 @@ from ..waiting import Waiter
 
 __all__ = ["Topology", "MasterSpec", "Planes", "plan", "create_master", "attach_control", "attach_comm", "remove",
            "worker_exit", "reap", "open_channel", "attach_channel", "make_device", "select_device",
-           "get_n_gpu", "worker_argv", "worker_environment"]
+           "get_n_gpu", "worker_argv", "worker_environment", "REGISTRY", "contracts", "implementation", "name_of"]
 
 
 @dataclass(frozen=True)

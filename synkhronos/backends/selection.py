@@ -72,9 +72,10 @@ def _gpu_device(n_parallel):
     else:
         n = len(gpus) if n_parallel is None else n_parallel
         if n > len(gpus):
+            limited = "; CUDA_VISIBLE_DEVICES limits them" if "CUDA_VISIBLE_DEVICES" in os.environ else ""
             raise ValueError(f"n_parallel={n} asks for {n} GPUs (one per rank) but {len(gpus)} "
                              f"{'is' if len(gpus) == 1 else 'are'} visible ({', '.join(gpus)}"
-                             f"{'; CUDA_VISIBLE_DEVICES limits them' if 'CUDA_VISIBLE_DEVICES' in os.environ else ''}). "
+                             f"{limited}). "
                              f"Use n_parallel <= {len(gpus)}, or use_gpu=False for CPU ranks.")
         chosen = gpus[:n]
     return implementation("device", "jax")(len(chosen), platform="gpu", gpus=chosen, visible=gpus)

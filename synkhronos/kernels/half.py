@@ -8,7 +8,7 @@ These kernels work on the bit patterns (float16 as ``uint16``, float32 reinterpr
 (round-to-nearest-even, subnormals kept):
 
 * ``reduce_chunk(op, srcs, dsts, a, b)``: the ``sum``/``avg`` of float16 arrays of the
-  comm plane (``shm_comm``): accumulated in float32 in rank order, the average scaled by
+  comm plane (``shm.comm``): accumulated in float32 in rank order, the average scaled by
   ``float32(1/n)``, rounded once to float16, exactly as the numpy path (bit for bit) but
   without its temporary blocks;
 * ``compress(src, dst, residual=None)``: float32 -> float16 with error feedback: with a

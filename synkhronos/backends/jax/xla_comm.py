@@ -2,7 +2,7 @@
 GPUs, gloo on the CPU (where it is slower than shared memory: selected only by
 ``SYNK_JAX_COMM=xla``, e.g. to test this path without a GPU).
 
-Every process (one per rank, all joined to ``jax.distributed`` by ``jax_device``) holds one
+Every process (one per rank, all joined to ``jax.distributed`` by ``jax.device``) holds one
 device; a 1-D mesh over the ranks' devices, in rank order, makes the ranks' arrays the
 shards of one global array, and one jitted ``shard_map`` program per verb and signature
 runs the collective (``psum``/``pmax``/``pmin``, ``all_gather``).  Serves ``all_reduce``

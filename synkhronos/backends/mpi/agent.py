@@ -72,7 +72,7 @@ class Agent:
         self.mirrors = {}              # master's handle -> Segment (its copy on this host)
         self.buffers = {}              # host buffers attached for MPI requests
         self.inflight = None
-        self.relay = None              # the host's end of channels (mpi_channel.HostRelay)
+        self.relay = None              # the host's end of channels (channel.HostRelay)
         self.replied = -1              # the last command every rank of the host answered
         self.req_done = 0
         self.lost_sent = False

@@ -1,11 +1,11 @@
 """Channels across hosts (``mpiexec``): the parameter server's asynchronous exchange when
 the session spans several hosts.
 
-Inside each host nothing changes: the workers of a host attach the ``shm_channel.Channel``
+Inside each host nothing changes: the workers of a host attach the ``shm.channel.Channel``
 of their host (``Channel.attach(control, token, rank)``), send into their up areas and
 wait for answers in their down areas, exactly as on one host.  The channel of the
 master's host is the master's; the channel of every other host is owned by the host's
-agent (``HostRelay``, run at every step of ``backends.mpi._Agent``), which relays:
+agent (``HostRelay``, run at every step of ``backends.mpi.agent.Agent``), which relays:
 
 * a worker's message (``HEAD`` bytes of metadata, then the gradient) goes to the master as
   ONE MPI message sent straight from the worker's up area; the master receives it into a

@@ -185,7 +185,7 @@ class HierComm:
         """float16 ``sum``/``avg`` across hosts, as float16 on the wire (half the bytes of the
         float32 all-reduce the other dtypes use): each host's partial sum of a chunk (float32,
         rounded once to float16), an MPI all-gather of the hosts' partials, then every rank
-        sums them in float32 in host order (``backends.half``).  With one rank per host the
+        sums them in float32 in host order (``synkhronos.kernels.half``).  With one rank per host the
         result is the float32 path's; with several, each host's partial is rounded once more."""
         hbuf, obuf = bufs
         count, hosts = flat.size, len(self.host_sizes)

@@ -13,7 +13,7 @@ host in MPI rank order.  Several MPI processes on one host (``-ppn K``) each lea
 own group of ranks; they then talk MPI to each other.
 
 Inside a host everything is as on one machine: a shared-memory control session and
-collectives (``ShmControl``, the slots of ``shm_comm``), with one extra *lead* slot through
+collectives (``ShmControl``, the slots of ``shm.comm``), with one extra *lead* slot through
 which the other hosts take part: its barrier arrivals and votes are written by the host's
 MPI process (the master on its host) once the whole session has arrived or decided.  The
 master is the hub: agents forward their host's arrivals, votes, aborts, replies and lost
@@ -29,7 +29,7 @@ in three ways:
   with the other hosts, and every rank of the host copies the result;
 * channels of asynchronous exchanges (the parameter server): each host's agent owns its
   host's channel and relays its workers' messages and the master's answers, one MPI
-  message each, on a communicator of their own (``backends.mpi_channel``).
+  message each, on a communicator of their own (``backends.mpi.channel``).
 
 Failure handling: a rank that exits or stops on any host is reported by its host's MPI
 process and ends the master's command with WorkerDied / WorkerStopped naming the rank and

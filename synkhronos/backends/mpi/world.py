@@ -59,7 +59,7 @@ class World:
         if not MPI.Is_initialized():
             MPI.Init_thread(MPI.THREAD_SERIALIZED)
         self.comm = MPI.COMM_WORLD.Dup()
-        self.chan = MPI.COMM_WORLD.Dup()     # channels (backends.mpi_channel): never command traffic
+        self.chan = MPI.COMM_WORLD.Dup()     # channels (backends.mpi.channel): never command traffic
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.host = MPI.Get_processor_name() or socket.gethostname()
         self.mpi_shm = sorted(set(shm_names()) - before)        # e.g. mpich_shm_<hex>_<node>

@@ -36,7 +36,7 @@ a run is one long command; while it runs, a ``Channel`` carries the messages:
 Each area is preceded by ``HEAD`` bytes that the channel itself never uses: a relay between
 hosts writes a message's metadata there and sends header and data as ONE message straight
 from (into) the area (``up_raw`` / ``down_raw``).  Across hosts (``mpiexec``) the master's
-channel is ``backends.mpi_channel.HostsChannel``: this channel for the workers of its own
+channel is ``backends.mpi.channel.HostsChannel``: this channel for the workers of its own
 host, and for each other host the same channel owned by that host's agent, which relays
 its workers' messages over MPI (``create`` picks the implementation from the control
 plane; workers ``attach`` alike on every host)."""

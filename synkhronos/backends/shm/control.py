@@ -66,7 +66,7 @@ class ShmControl:
     ``n`` slots: by default every slot is a rank ("member") and slot ``master_rank`` sends
     the commands.  A host of a multi-host session adds a ``lead`` slot: the one through
     which the rest of the session takes part in this host's barriers and votes (its
-    arrivals and votes are written by ``backends.mpi``); ``members`` are then the slots of
+    arrivals and votes are written by the ``mpi`` plane's ``hub``); ``members`` are then the slots of
     the host's ranks.  ``mirror``: buffer handles name another host's buffers, which this
     host holds copies of (``mirror_name``)."""
 
