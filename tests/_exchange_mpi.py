@@ -61,6 +61,21 @@ def main(n):
         mag = np.mean(np.abs(np.float64(v32)), axis=0)
         check(bool((np.abs(got[0] - ref) <= 2 ** -11 * (2 * mag + np.abs(ref)) * 1.01 + 2 ** -22).all()),
               "fp16 exchange: beyond the bound")
+        # beyond float16's range: 40000 from every rank sums to 40000 n (never inf), and with
+        # error feedback 1e5 per rank arrives in full over a few exchanges
+        for r in range(n):
+            synk.set_value(r, a, np.full(size, 40000, np.float32))
+        exchange.all_reduce(a, op="sum", compress="fp16")
+        got = [synk.get_value(r, a) for r in range(n)]
+        check(all(np.array_equal(g, got[0]) for g in got), "fp16 beyond float16: ranks differ")
+        check(bool((np.abs(got[0] - 40000.0 * n) <= 40000.0 * n * 2 ** -10).all()),
+              f"fp16 beyond float16: {got[0][:3]} for {40000 * n}")
+        total = 0.0
+        for _ in range(4):
+            synk.broadcast(a, np.full(size, 1e5, np.float32))
+            exchange.all_reduce(a, op="sum", compress="fp16")
+            total += synk.get_value(n - 1, a).astype(np.float64)
+        check(bool((np.abs(total - 4e5 * n) <= 1e5 * n * 2 ** -9).all()), f"fp16 error feedback: {total[:3]}")
         X = synk.data(rng.standard_normal((4 * n, 3)).astype(np.float32))
         for _ in range(3):
             easgd(X)

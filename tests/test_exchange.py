@@ -29,6 +29,8 @@ import types
 
 import numpy as np
 import pytensor
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import pytensor.tensor as T
 from pytensor.raise_op import Assert
 import pytest
@@ -71,6 +73,41 @@ def test_half_kernels_bit_exact():
     r_new = np.empty_like(r)
     half.compress(x, got := np.empty(4096, np.float16), r, r_new)
     assert np.array_equal(got.astype(np.float32) + r_new, x + r)
+
+
+HYPOTHESIS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+# magnitudes near and beyond float16's range (65504), down to below its smallest subnormal
+MAGNITUDES = st.sampled_from([0.0, 1e-9, 3e-5, 0.7, 1000.0, 30000.0, 40000.0, 65504.0, 65519.0, 65520.0,
+                              1e5, 3.7e6, 1e12, 1e30])   # (sums that float32 itself can hold)
+
+
+def _values(draw, size):
+    mags = draw(st.lists(MAGNITUDES, min_size=size, max_size=size))
+    signs = draw(st.lists(st.sampled_from([-1.0, 1.0]), min_size=size, max_size=size))
+    jitter = draw(st.lists(st.floats(0.5, 1.0), min_size=size, max_size=size))
+    return (np.array(mags) * signs * jitter).astype(np.float32)
+
+
+@settings(max_examples=200, **HYPOTHESIS)
+@given(data=st.data())
+def test_scaled_compress_is_exact_and_keeps_the_rest(data):
+    """With the wire scale of the values' largest magnitude (a power of two), nothing
+    saturates and sent / scale + residual is the value exactly; without a residual the
+    result is the same bits; scale 1 is the plain kernel."""
+    x = _values(data.draw, 16)
+    n = data.draw(st.integers(1, 8))
+    scale = half.wire_scale(half.finite_max(x), n)
+    assert scale == 1.0 or n * np.abs(x).max() * scale <= 65504 / 2
+    sent, r_new = np.empty(16, np.float16), np.empty(16, np.float32)
+    half.compress(x, sent, np.zeros(16, np.float32), r_new, scale=scale)
+    assert np.isfinite(sent).all()
+    back = np.empty(16, np.float32)
+    half.decompress(sent, back, scale=scale)
+    assert np.array_equal(back + r_new, x)                       # exactly (powers of two)
+    assert (np.abs(r_new) <= np.abs(x) * 2 ** -11 + 2 ** -25 / scale).all()
+    plain = np.empty(16, np.float16)
+    half.compress(x, plain, scale=scale)
+    assert np.array_equal(plain, sent)                           # (x + 0.0 turns -0.0 into +0.0)
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -327,6 +364,63 @@ class TestSynchronous:
         if c < TINY:
             assert total_no == 0.0
 
+    def test_sums_beyond_float16_stay_finite(self, S):
+        """The issue's case: 40000 + 40000 sent as float16 gives 80000 (not inf), with and
+        without error feedback, on every rank."""
+        for ef, var in ((True, S.c_ef), (False, S.c_no)):
+            S.ar.reset_residuals()
+            for r in range(S.n):
+                synk.set_value(r, var, np.float32([40000, -40000, 65504, 1e5]))
+            exchange.all_reduce(var, op="sum", compress="fp16", error_feedback=ef)
+            for r in range(S.n):
+                got = synk.get_value(r, var)
+                assert got[:3].tolist() == [80000, -80000, 131008], (ef, r, got)
+                assert abs(got[3] - 2e5) <= 2e5 * 2 ** -10, (ef, r, got)   # one float16 rounding
+
+    @settings(max_examples=25, **HYPOTHESIS)
+    @given(data=st.data())
+    def test_fp16_never_invents_inf(self, S, data):
+        """Values near and beyond float16's range, and inf/nan here and there: a result is
+        inf or nan only where an input was; every rank gets the same bits; finite results
+        are within float16's rounding of the float64 sum (relative to the variable's
+        largest magnitude, which sets the wire scale)."""
+        op = data.draw(st.sampled_from(["sum", "avg"]))
+        vals = [_values(data.draw, 4) for _ in range(S.n)]
+        if data.draw(st.booleans()):
+            vals[data.draw(st.integers(0, S.n - 1))][data.draw(st.integers(0, 3))] = data.draw(
+                st.sampled_from([np.inf, -np.inf, np.nan]))
+        S.ar.reset_residuals()
+        for r in range(S.n):
+            synk.set_value(r, S.c_no, vals[r])
+        exchange.all_reduce(S.c_no, op=op, compress="fp16", error_feedback=False)
+        got = [synk.get_value(r, S.c_no) for r in range(S.n)]
+        assert all(np.array_equal(g, got[0], equal_nan=True) for g in got)
+        v = np.float64(vals)
+        finite_in = np.isfinite(v).all(axis=0)
+        assert np.isfinite(got[0][finite_in]).all(), (vals, got[0])
+        exact = v.sum(axis=0) / (S.n if op == "avg" else 1)
+        top = np.abs(v[np.isfinite(v)]).max(initial=0.0)
+        scale = half.wire_scale(top, S.n)
+        # each rank's rounding (relative to float16's spacing at the scaled value), the
+        # sum's rounding, float32's own rounding of huge values
+        bound = (U16 * (np.abs(v).sum(axis=0) + np.abs(exact)) * 1.001 + 2 * TINY * S.n / scale) \
+            / (S.n if op == "avg" else 1) + 1e-6 * np.abs(exact)
+        err = np.abs(got[0][finite_in] - exact[finite_in])
+        assert (err <= bound[finite_in]).all(), (op, vals, got[0], exact)
+
+    def test_error_feedback_delivers_values_beyond_float16(self, S):
+        """1e5 per rank (beyond float16) sent 6 times: with error feedback the sum of what
+        arrived is within one wire rounding of 6 * 2e5: nothing stays behind for good."""
+        S.ar.reset_residuals()
+        total = 0.0
+        for _ in range(6):
+            synk.broadcast(S.c_ef, np.float32([1e5, 7e5, 1.5, 3e5]))
+            exchange.all_reduce(S.c_ef, op="sum", compress="fp16", error_feedback=True)
+            total += synk.get_value(1, S.c_ef).astype(np.float64)
+        want = 6 * S.n * np.float64([1e5, 7e5, 1.5, 3e5])
+        quantum = 2.0 ** (np.floor(np.log2(S.n * 7e5)) - 10)      # the spacing at the largest value
+        assert (np.abs(total - want) <= S.n * quantum).all(), (total, want)
+
     def test_not_prepared(self, S):
         with pytest.raises(RuntimeError, match="prepare"):
             exchange.all_reduce(S.a32, compress="fp16")
@@ -568,7 +662,9 @@ def _mpiexec():
 @pytest.mark.parametrize("nprocs,n", [(2, 3), (3, 3)])
 def test_across_hosts(nprocs, n):
     """float16 travels as float16 between hosts (within its bound of numpy on every rank,
-    several ranks on a host or one), the fp16 exchange and EASGD work, and the parameter
+    several ranks on a host or one), the fp16 exchange and EASGD work (and the fp16 exchange
+    never turns sums beyond float16 into inf: 40000 per rank; 1e5 with error feedback
+    arrives in full), and the parameter
     server trains with workers in every group (the others' through their group's agent;
     failures and bytes between hosts: tests/test_mpi.py on two simulated hosts)."""
     import json
@@ -581,4 +677,4 @@ def test_across_hosts(nprocs, n):
     lines = [ln.split("SYNK-RESULT ", 1)[1] for ln in p.stdout.splitlines() if "SYNK-RESULT " in ln]
     assert p.returncode == 0 and lines, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads(lines[-1])
-    assert res["failed"] == [] and res["checks"] == 14 and len(res["hosts"]) == nprocs
+    assert res["failed"] == [] and res["checks"] == 17 and len(res["hosts"]) == nprocs

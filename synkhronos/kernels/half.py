@@ -11,10 +11,14 @@ These kernels work on the bit patterns (float16 as ``uint16``, float32 reinterpr
   comm plane (``shm.comm``): accumulated in float32 in rank order, the average scaled by
   ``float32(1/n)``, rounded once to float16, exactly as the numpy path (bit for bit) but
   without its temporary blocks;
-* ``compress(src, dst, residual=None)``: float32 -> float16 with error feedback: with a
-  ``residual`` the value sent is ``float16(src + residual)`` and the residual becomes what
-  that rounding lost (``(src + residual) - float32(sent)``);
-* ``decompress(src, dst)``: float16 -> float32 (exact).
+* ``compress(src, dst, residual=None, scale=1)``: float32 -> float16 with error feedback:
+  with a ``residual`` the value sent is ``float16((src + residual) * scale)`` and the
+  residual becomes what that rounding lost (``(src + residual) - float32(sent) / scale``);
+* ``decompress(src, dst, scale=1)``: float16 -> float32, divided by ``scale`` (exact: a
+  power of two);
+* ``finite_max`` and ``wire_scale``: the power of two an exchange multiplies its values by,
+  agreed by every rank from every rank's largest finite magnitude, so that the float16 sum
+  of all ranks stays within float16's range (values up to ``65504 * 2**110`` go through).
 
 Finite values beyond float16's range are *saturated* to +-65504 by ``compress`` (a plain
 cast would give inf, which no later step can undo; with error feedback the excess stays in
@@ -87,25 +91,37 @@ if njit is not None:
         return h
 
     @njit(cache=True)
-    def _compress(src, dst):
+    def _compress(src, dst, scale):
         for i in range(src.size):
-            dst[i] = _saturated(src[i])
+            dst[i] = _saturated(src[i] * scale)
 
     @njit(cache=True)
-    def _compress_ef(src, res_in, dst, res_out):
+    def _compress_ef(src, res_in, dst, res_out, scale):
+        unscale = np.float32(1.0) / scale                # (powers of two: both products exact)
         for i in range(src.size):
             x = src[i] + res_in[i]
-            h = _saturated(x)
+            h = _saturated(x * scale)
             dst[i] = h
             if np.isfinite(x):
-                res_out[i] = x - _to_single(h)
+                res_out[i] = x - _to_single(h) * unscale
             else:
                 res_out[i] = np.float32(0.0)
 
     @njit(cache=True)
-    def _decompress(src, dst):
+    def _decompress(src, dst, unscale):
         for i in range(src.size):
-            dst[i] = _to_single(src[i])
+            dst[i] = _to_single(src[i]) * unscale
+
+    @njit(cache=True)
+    def _finite_max(src, res, with_res):
+        top = np.float32(0.0)
+        for i in range(src.size):
+            x = src[i] + res[i] if with_res else src[i]
+            if np.isfinite(x):
+                a = abs(x)
+                if a > top:
+                    top = a
+        return top
 
     _BLOCK = 8192                                       # elements: 32 KB of float32
 
@@ -146,30 +162,55 @@ def _bits(arr, dtype):
     return arr.view(dtype) if arr.dtype != dtype else arr
 
 
-def compress(src, dst, residual=None, residual_out=None):
-    """``dst`` (float16, flat) <- ``src`` (float32, flat) [+ ``residual``]; with a residual,
-    ``residual_out`` (may be ``residual`` itself) <- what the rounding lost."""
+def compress(src, dst, residual=None, residual_out=None, scale=1.0):
+    """``dst`` (float16, flat) <- ``src`` (float32, flat) [+ ``residual``] times ``scale`` (a
+    power of two, ``wire_scale``); with a residual, ``residual_out`` (may be ``residual``
+    itself) <- what the rounding lost, in ``src``'s units."""
     s = np.asarray(src, np.float32).reshape(-1)
     d = dst.reshape(-1).view(np.uint16)
     if s.size != d.size:
         raise ValueError(f"compress: {s.size} values into {d.size}")
     if residual is None:
-        _compress(s, d)
+        _compress(s, d, np.float32(scale))
     else:
         r = residual.reshape(-1)
         ro = r if residual_out is None else residual_out.reshape(-1)
-        _compress_ef(s, r, d, ro)
+        _compress_ef(s, r, d, ro, np.float32(scale))
     return dst
 
 
-def decompress(src, dst):
-    """``dst`` (float32) <- ``src`` (float16), exactly."""
+def decompress(src, dst, scale=1.0):
+    """``dst`` (float32) <- ``src`` (float16) divided by ``scale`` (what ``compress`` used),
+    exactly."""
     s = src.reshape(-1).view(np.uint16)
     d = dst.reshape(-1)
     if s.size != d.size:
         raise ValueError(f"decompress: {s.size} values into {d.size}")
-    _decompress(s, d)
+    _decompress(s, d, np.float32(1.0 / scale))
     return dst
+
+
+def finite_max(values, residual=None):
+    """The largest magnitude of the finite entries of ``values`` (+ ``residual``), 0.0 if
+    none: what ``wire_scale`` needs (inf and nan entries leave the others' scale alone)."""
+    v = np.asarray(values, np.float32).reshape(-1)
+    if residual is None:
+        return float(_finite_max(v, v, False))
+    return float(_finite_max(v, np.asarray(residual, np.float32).reshape(-1), True))
+
+
+MAX_SCALE_EXPONENT = 110        # 65504 * 2**110 still fits float32
+
+
+def wire_scale(max_abs, n):
+    """The power of two ``compress`` multiplies values by so that ``n`` of them (every
+    rank's), each at most ``max_abs``, sum within float16's range with room for rounding:
+    1.0 when they fit already (the values go on the wire as they are)."""
+    need = 2.0 * n * float(max_abs) / F16_MAX
+    if not need > 1.0:                                  # (also 0 and nan)
+        return 1.0
+    exponent = min(int(np.ceil(np.log2(need))), MAX_SCALE_EXPONENT)
+    return float(2.0 ** -exponent)
 
 
 def reduce_chunk(op, srcs, dsts, a, b, scale=None):

@@ -27,11 +27,13 @@ How each one runs (see ``docs/exchange.rst`` for when each helps, with measureme
 
 * **fp16**: one command per exchange (``Fp16AllReduce``), or chained in the training step's
   command (gradient, then the compressed all-reduce, then the update rule: one round trip).
-  On every rank: ``shadow = float16(value [+ residual])`` (numba kernel,
-  ``synkhronos.kernels.half``; values beyond float16's range saturate to +-65504), the
-  comm plane's all-reduce of the float16 shadows (summed in float32, rounded once to
-  float16), ``value = float32(result)``.  With error feedback each rank keeps
-  ``residual = (value + residual) - float32(shadow)``: what the rounding lost is sent with
+  On every rank: the variable's wire scale ``s`` (a power of two, 1 unless the values are
+  large, the same on every rank: one small all-reduce of each rank's largest magnitude, so
+  that the float16 sum of every rank's values cannot overflow), ``shadow = float16((value
+  [+ residual]) * s)`` (numba kernel, ``synkhronos.kernels.half``), the comm plane's
+  all-reduce of the float16 shadows (summed in float32, rounded once to float16),
+  ``value = float32(result) / s``: no finite value becomes inf.  With error feedback each
+  rank keeps ``residual = (value + residual) - float32(shadow) / s``: what the rounding lost is sent with
   the next exchange instead of being lost (1-bit SGD, EF-SGD), so the sum of what was sent
   stays within one rounding of the sum of the values, however many exchanges.  PyTensor's
   numba backend has no float16, hence a rank-side step instead of compiled functions.

@@ -26,53 +26,76 @@ def _spare(state, key, current, shape, dtype):
 
 @worker_command(COMMAND)
 def fp16_all_reduce(me, items, op):
-    """Every rank: compress, all-reduce the float16 shadows (one comm call), decompress.
-    ``items``: ``(variable, shadow, residual or -1)`` registry indices.  Reads each
-    variable's pending value (a follow-up reads what the call just computed); the results
-    become pending (and the variables' values, for the next follow-up).  A device rank
-    (JAX) does the same on host copies of its values (the conversions are the host's numba
-    kernels) and puts the results back on its device."""
+    """Every rank: agree on each variable's wire scale, compress, all-reduce the float16
+    shadows (one comm call), decompress.  ``items``: ``(variable, shadow, residual or -1)``
+    registry indices.  Reads each variable's pending value (a follow-up reads what the call
+    just computed); the results become pending (and the variables' values, for the next
+    follow-up).  A device rank (JAX) does the same on host copies of its values (the
+    conversions are the host's numba kernels) and puts the results back on its device.
+
+    The wire scale (``half.wire_scale``: a power of two, 1 unless the values are large)
+    comes from every rank's largest finite magnitude (one small all-reduce), so that the
+    float16 sum of every rank's values never overflows: no finite input becomes inf, and
+    what does not fit one exchange stays in the residual for the next."""
     dev = me.device
     on_host = dev.placement == "host"
     st = rank_state(me)
     work = []
     for vid, svid, rvid in items:
-        var, svar = me.shareds[vid], me.shareds[svid]
+        var = me.shareds[vid]
         value = np.ascontiguousarray(dev.to_host(me.pending_value(var)))
         if value.dtype != np.float32:
             raise TypeError(f"fp16 all_reduce: {var} holds {value.dtype} values, expected float32")
+        r = None
+        if rvid >= 0:
+            r = dev.get(me.shareds[rvid]) if on_host else np.asarray(dev.to_host(dev.get(me.shareds[rvid])))
+            if not (isinstance(r, np.ndarray) and r.dtype == np.float32 and r.shape == value.shape):
+                r = np.zeros(value.shape, np.float32)          # a new shape: start afresh
+            r = np.ascontiguousarray(r)
+        work.append((vid, svid, rvid, value, r))
+    scales = _wire_scales(me, work)
+    sent = []
+    for (vid, svid, rvid, value, r), scale in zip(work, scales):
         shape = value.shape
         # after the first exchange: the comm's slot (no copy-in)
-        shadow = dev.get(svar) if on_host else st.get(("s", svid))
+        shadow = dev.get(me.shareds[svid]) if on_host else st.get(("s", svid))
         if not (isinstance(shadow, np.ndarray) and shadow.dtype == np.float16 and shadow.shape == shape
                 and shadow.flags.c_contiguous and shadow.flags.writeable):
             shadow = np.empty(shape, np.float16)
-        rvar = r_new = None
-        if rvid >= 0:
-            rvar = me.shareds[rvid]
-            r = dev.get(rvar) if on_host else np.asarray(dev.to_host(dev.get(rvar)))
-            if not (isinstance(r, np.ndarray) and r.dtype == np.float32 and r.shape == shape):
-                r = np.zeros(shape, np.float32)          # a new shape: start afresh
+        r_new = None
+        if r is not None:
             r_new = _spare(st, ("r", rvid), r, shape, np.float32)
-            half.compress(value, shadow, np.ascontiguousarray(r), r_new)
+            half.compress(value, shadow, r, r_new, scale=scale)
         else:
-            half.compress(value, shadow)
-        work.append((var, svar, svid, rvar, r_new, shadow, shape, vid))
+            half.compress(value, shadow, scale=scale)
+        sent.append((shadow, r_new))
     comm = me.comm.pick("all_reduce", np.float16, op, "host")     # shadows are host arrays
-    results = comm.all_reduce([(svid, shadow) for _, _, svid, _, _, shadow, _, _ in work], op, fence=True)
+    results = comm.all_reduce([(w[1], shadow) for w, (shadow, _) in zip(work, sent)], op, fence=True)
     held = {}
-    for (var, svar, svid, rvar, r_new, _, shape, vid), res in zip(work, results):
-        out = _spare(st, ("v", vid), dev.get(var) if on_host else None, shape, np.float32)
-        half.decompress(np.asarray(res), out)
+    for (vid, svid, rvid, value, _), (_, r_new), scale, res in zip(work, sent, scales, results):
+        var, svar = me.shareds[vid], me.shareds[svid]
+        out = _spare(st, ("v", vid), dev.get(var) if on_host else None, value.shape, np.float32)
+        half.decompress(np.asarray(res), out, scale=scale)
         if on_host:
             held[svar] = res
         else:                         # the shadow stays on the host (internal: no copy to the device)
             st[("s", svid)] = res
             out = dev.to_device(out)                                 # (copies)
-            r_new = None if rvar is None else dev.to_device(r_new)
+            r_new = None if r_new is None else dev.to_device(r_new)
         dev.set(var, out)             # a follow-up step of this command reads it
         held[var] = out
-        if rvar is not None:
-            held[rvar] = r_new
+        if rvid >= 0:
+            held[me.shareds[rvid]] = r_new
     me.hold(me.seq, held)
     return None
+
+
+def _wire_scales(me, work):
+    """Each variable's wire scale, the same on every rank: from the largest finite
+    magnitude of what any rank sends (its value plus its residual)."""
+    tops = np.array([half.finite_max(value, r) for _, _, _, value, r in work], np.float32)
+    if me.n > 1:
+        comm = me.comm.pick("all_reduce", np.float32, "max", "host")
+        key = len(me.shareds)                  # (a key reserved for in-graph collectives: none runs here)
+        tops = comm.all_reduce([(key, tops)], "max", scratch=True, owned=True)[0]
+    return [half.wire_scale(t, me.n) for t in tops]
