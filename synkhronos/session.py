@@ -117,17 +117,17 @@ class Session:
         settings = dict(sys_path=[p for p in sys.path if p], profile=self.profile_workers, debug=self.debug,
                         stall=self.waiter.stall, timeout=self.waiter.timeout, spin=self.waiter.spin)
         spec = backends.MasterSpec(self.topology, self.master_rank, self.waiter, self._check, settings)
-        planes = self.planes = backends.create_master(spec)
-        self.launcher = planes.launcher
-        self.me = Rank(self.rank, self.n, self.master_rank, self.device, planes.control, planes.comm)
-        cfg = dict(planes.worker_config, n=self.n, master_rank=self.master_rank, master_pid=self.pid,
-                   device=self.device.config(), **settings)
 
         def env_for(r):
             rank_cfg = cfg if planes.rank_config is None else dict(cfg, **planes.rank_config(r))
             return backends.worker_environment(rank_cfg, self.device.worker_env(r))
 
         try:
+            planes = self.planes = backends.create_master(spec)    # (across hosts: the agents join)
+            self.launcher = planes.launcher
+            self.me = Rank(self.rank, self.n, self.master_rank, self.device, planes.control, planes.comm)
+            cfg = dict(planes.worker_config, n=self.n, master_rank=self.master_rank, master_pid=self.pid,
+                       device=self.device.config(), **settings)
             local = self.me.control.workers if planes.local_workers is None else planes.local_workers
             self.launcher.start(local, backends.worker_argv, env_for)
             self.device.init_master(self.rank, close)

@@ -22,10 +22,9 @@ import pytest
 from synkhronos import backends as registry      # (the composition root re-exports the registry)
 from synkhronos.launcher import RankGone
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from mpi_testutil import HERE, MPIEXEC, mpi_env
+
 SCRIPT = os.path.join(HERE, "_contract_script.py")
-BIN = os.path.dirname(sys.executable)
-MPIEXEC = os.path.join(BIN, "mpiexec")
 
 IMPLEMENTATIONS = [(plane, name) for plane, names in registry.REGISTRY.items() for name in names]
 
@@ -92,8 +91,7 @@ def wiring(name):
     if w.get("mpi"):
         if not os.path.exists(MPIEXEC):
             pytest.skip("no mpiexec next to the interpreter (pip install 'synkhronos[mpi]')")
-        env = {k: v for k, v in env.items() if not k.startswith(("PMI_", "MPI_LOCAL"))}
-        env["PATH"] = BIN + os.pathsep + env.get("PATH", "")
+        env = mpi_env(env)
         cmd = [MPIEXEC, "-n", str(w["mpi"])] + cmd
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=HERE)
     lines = [ln.split("CONTRACT ", 1)[1] for ln in p.stdout.splitlines() if "CONTRACT " in ln]

@@ -12,7 +12,6 @@ Ctrl-C, a worker of the other host killed or frozen), and the failure cases: a r
 other host (named, with its host, within 5 s), an uncaught exception in the master (the
 job ends instead of hanging), the master killed (every process on every host ends, and no
 host's /dev/shm keeps anything, MPICH's own ``mpich_shm_*`` files included)."""
-import json
 import os
 import signal
 import subprocess
@@ -23,51 +22,16 @@ import pytest
 
 import synk_testutil as tu
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPT = os.path.join(HERE, "_mpi_scripts.py")
-BIN = os.path.dirname(sys.executable)
-MPIEXEC = os.path.join(BIN, "mpiexec")
+from mpi_testutil import assert_hosts_clean, mpi_missing, mpich_files, parse, simhosts_or_skip
+from mpi_testutil import run_hosts as _run_hosts
+from mpi_testutil import run_local as _run_local
 
-
-def _mpi_missing():
-    if not os.path.exists(MPIEXEC):
-        return "no mpiexec next to the interpreter (pip install 'synkhronos[mpi]')"
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError:
-        return "mpi4py is not installed (pip install 'synkhronos[mpi]')"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_mpi_missing() is not None, reason=str(_mpi_missing()))
-
-
-def _parse(out):
-    info = res = None
-    for line in out.splitlines():
-        line = line.split("] ", 1)[-1] if line.startswith("[") else line
-        if line.startswith("SYNK-INFO ") and info is None:
-            info = json.loads(line[len("SYNK-INFO "):])
-        elif line.startswith("SYNK-RESULT "):
-            res = json.loads(line[len("SYNK-RESULT "):])
-    return info, res
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_mpi_scripts.py")
+pytestmark = pytest.mark.skipif(mpi_missing() is not None, reason=str(mpi_missing()))
 
 
 def run_local(nprocs, *args, timeout=120):
-    """``mpiexec -n NPROCS python _mpi_scripts.py ARGS`` on this machine."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "MPI_LOCAL"))}
-    env["PATH"] = BIN + os.pathsep + env.get("PATH", "")
-    p = subprocess.run([MPIEXEC, "-n", str(nprocs), sys.executable, SCRIPT, *args], capture_output=True,
-                       text=True, timeout=timeout, env=env, cwd=HERE)
-    info, res = _parse(p.stdout)
-    return p, info, res
-
-
-def mpich_files():
-    try:
-        return sorted(e for e in os.listdir("/dev/shm") if e.startswith("mpich_shm_"))
-    except OSError:
-        return []
+    return _run_local("_mpi_scripts.py", nprocs, *args, timeout=timeout)
 
 
 # ---- localhost ------------------------------------------------------------------------------
@@ -110,38 +74,14 @@ def test_local_uncaught_exception_ends_the_job():
 
 # ---- two simulated hosts ------------------------------------------------------------------------
 
-def _hosts_or_skip():
-    import simhosts
-    ok, why = simhosts.available()
-    if not ok:
-        pytest.skip(f"simulated hosts unavailable: {why}")
-    return simhosts
-
-
 @pytest.fixture(scope="module")
 def hosts():
-    simhosts = _hosts_or_skip()
-    with simhosts.SimHosts(("hA", "hB")) as h:
+    with simhosts_or_skip().SimHosts(("hA", "hB")) as h:
         yield h
 
 
-def run_hosts(hosts, *args, timeout=120, tmp=None):
-    out = os.path.join(tmp or "/tmp", f"synk-mpi-{os.getpid()}-{time.monotonic_ns()}.jsonl")
-    try:
-        cmd = hosts.mpiexec_cmd(2, 1, [sys.executable, SCRIPT, *args], extra=("-prepend-rank",),
-                                env={"SYNK_RESULT_FILE": out})
-        p = hosts.run(cmd, timeout=timeout)
-        hosts.wait_idle(5)
-        info, res = _parse(open(out).read() if os.path.exists(out) else "")
-    finally:
-        if os.path.exists(out):
-            os.unlink(out)
-    return p, info, res
-
-
-def assert_hosts_clean(hosts):
-    assert tu.wait_until(lambda: not any(hosts.shm_files().values()), 5.0), hosts.shm_files()
-    assert tu.wait_until(lambda: not any(hosts.pids().values()), 5.0), hosts.processes()
+def run_hosts(hosts, *args, timeout=120):
+    return _run_hosts(hosts, "_mpi_scripts.py", *args, timeout=timeout)
 
 
 def test_hosts_every_feature(hosts):
@@ -252,7 +192,7 @@ def test_hosts_master_killed_ends_everything(hosts):
     try:
         ready = tu.wait_until(lambda: os.path.exists(out) and '"ready"' in open(out).read(), 120)
         assert ready, "the program did not get ready"
-        info, _ = _parse(open(out).read())
+        info, _ = parse(open(out).read())
         os.kill(info["ranks"][0][2], signal.SIGKILL)
         t0 = time.monotonic()
         p.wait(timeout=30)

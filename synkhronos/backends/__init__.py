@@ -30,6 +30,7 @@ from .host import gpus as host_gpus
 from .host.launcher import worker_argv, worker_environment
 from .mpi import hosts as mpi_hosts
 from .mpi import world as mpi_world
+from .mpi.requests import Collectives
 from .registry import REGISTRY, contracts, implementation, make_device, name_of
 from .selection import select_device
 from .shm import segments
@@ -153,11 +154,12 @@ def _mpi_master(spec):
     host0 = implementation("control", "shm")(prefix, k0 + 1, 0, 0, waiter, create=True, members=range(k0), lead=k0)
     hub = Hub(w, HostView(host0), list(range(1, w.size)))
     waiter.service = hub.service
-    control = implementation("control", "mpi")(w, host0, hub, host_ranks, waiter)
-    comm = CommStack([implementation("comm", "hier")(prefix, 0, host0, True, 0, sizes, 0, w=w)])
     launcher = implementation("launcher", "mpi")(implementation("launcher", "subprocess")(), hub, [])
     mpi_hosts.start_agents(sizes, dict(spec.worker_settings, n=spec.topology.device.n, master_rank=0),
                            spec.topology.device.config())
+    coll = Collectives(w, lambda: (hub.service(), hub.check()))
+    control = implementation("control", "mpi")(w, host0, hub, host_ranks, waiter, coll)
+    comm = CommStack([implementation("comm", "hier")(prefix, 0, host0, True, 0, sizes, 0, w=w, coll=coll)])
     hub.hosts = hosts
     pid = os.getpid()
 

@@ -12,9 +12,9 @@ import numpy as np
 from .channel import HostRelay
 from .hosts import worker_config
 from .hub import HostView
-from .requests import Requests, run_request
-from .world import (ABORT, ARRIVE_T, BYE, CMD, DECIDE, END, EXIT, GO, IDLE_AFTER, LOST, POLL, POLL_IDLE,
-                    READY, REPLY, START, VOTE_T, world)
+from .requests import Pending, Requests, abandon
+from .world import (ABORT, ARRIVE_T, BYE, CMD, DECIDE, END, ENDED, EXIT, GO, IDLE_AFTER, LOST, POLL, POLL_IDLE,
+                    READY, REPLY, RESYNC, START, VOTE_T, world)
 from ..host.device import usable_cores
 from ..host.launcher import SubprocessLauncher, worker_argv, worker_environment
 from ..registry import make_device
@@ -36,6 +36,7 @@ def serve_host():
             src, tag, obj = _next(w, (START, EXIT))
             if tag == EXIT or Agent(w, obj).run() == "exit":
                 break
+            w.isend(None, 0, ENDED)        # after every message of the session: the master drops them up to here
     finally:
         w.isend(None, 0, BYE)
         w.flush()
@@ -75,6 +76,8 @@ class Agent:
         self.relay = None              # the host's end of channels (channel.HostRelay)
         self.replied = -1              # the last command every rank of the host answered
         self.req_done = 0
+        self.mpi_op = None             # (token, requests.Pending) of the MPI operation in progress
+        self.coll = None               # the session's communicator for collectives
         self.lost_sent = False
 
     def grank(self, slot):
@@ -97,6 +100,7 @@ class Agent:
         self.inflight = 0
         pids = {r: p for r, _h, p in self.launcher.info()}
         self.relay = HostRelay(self.w, self.ctl, self.first, pids)
+        self.coll = self.w.session_comm(lambda: None)   # (a lost rank is reported once the session runs)
         self.w.isend((self.w.host, pids), 0, READY)
 
     def run(self):
@@ -138,6 +142,8 @@ class Agent:
                 if obj >= ctl.seq:
                     host.sent_abort = obj
                     host.set_abort(obj)
+            elif tag == RESYNC:                # after an aborted command: a new communicator
+                self.resync()
             elif tag in (END, EXIT):
                 self.graceful = not obj if tag == END else False
                 self.ended = "end" if tag == END else "exit"
@@ -158,11 +164,16 @@ class Agent:
             host.sent_vote = voted[0]
             w.isend(voted, 0, VOTE_T)
             busy = True
-        req = self.requests.pending(self.req_done)
-        if req is not None:
-            token, r = req
-            self.requests.answer(token, run_request(w, r, self.buffers))
-            self.req_done = token
+        if self.mpi_op is None:            # a request of this host's ranks: start it...
+            req = self.requests.pending(self.req_done)
+            if req is not None:
+                token, r = req
+                self.mpi_op = (token, Pending(self.coll, w.MPI, r, self.buffers))
+                busy = True
+        if self.mpi_op is not None and self.mpi_op[1].test():     # ...and answer once done
+            token, op = self.mpi_op
+            self.requests.answer(token, op.result)
+            self.req_done, self.mpi_op = token, None
             ctl.wake(self.members)
             busy = True
         if self.inflight is not None and all(ctl.get_field(m, REPLY_SEQ) == self.inflight for m in self.members):
@@ -178,6 +189,20 @@ class Agent:
                 self.lost_sent = True
                 w.isend((g.rank, w.host, g.returncode, g.stopped), 0, LOST)
         return busy
+
+    def resync(self):
+        """The master renews the session's communicator after an aborted command (every
+        rank of it has answered): give up what is pending and drop the requests of that
+        command that were never started, then join the new communicator."""
+        if self.mpi_op is not None:
+            abandon(self.mpi_op[1])
+            self.mpi_op = None
+        else:
+            self.coll.Free()
+        pending = self.requests.pending(self.req_done)
+        if pending is not None:
+            self.req_done = pending[0]
+        self.coll = self.w.session_comm(lambda: None)
 
     def command(self, seq, wire, heads):
         """A command from the master: take the data it needs into this host's copies of the
@@ -217,6 +242,10 @@ class Agent:
         return seg.array(dtype, tuple(shape))
 
     def stop(self):
+        if self.mpi_op is not None:        # the session ended inside an MPI operation
+            abandon(self.mpi_op[1])
+        elif self.coll is not None:
+            self.coll.Free()
         if self.relay is not None:
             self.relay.abandon()
         self.launcher.stop(getattr(self, "graceful", False))

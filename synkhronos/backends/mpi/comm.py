@@ -3,7 +3,7 @@ ranks of a host (the ``shm`` slots), one MPI collective between hosts on a host 
 (run by the host's MPI process), shared memory again to give every rank the result."""
 import numpy as np
 
-from .requests import Requests, run_request
+from .requests import Pending, Requests, abandon
 from ..shm import segments as shm
 from ..shm.chunks import chunk_bounds, row_blocks
 from ..shm.slots import RESULT, Slots
@@ -21,12 +21,13 @@ class HierComm:
     name = "hier"
     returns_new = ("all_gatherv", "reduce_scatter", "gatherv")   # verbs whose results are new arrays
 
-    def __init__(self, prefix, slot, control, create, host_index, host_sizes, grank, w=None):
+    def __init__(self, prefix, slot, control, create, host_index, host_sizes, grank, w=None, coll=None):
         self.prefix, self.slot, self.ctl = prefix, slot, control
         self.members = control.members
         self.pos = self.members.index(slot)            # my place among the host's ranks
         self.k = len(self.members)
         self.create, self.w = create, w                # w: MPI (the master only)
+        self.coll = coll                               # requests.Collectives (the master only)
         self.host_index, self.host_sizes = host_index, list(host_sizes)
         self.grank, self.n = grank, sum(host_sizes)
         self.slots = None
@@ -52,6 +53,8 @@ class HierComm:
         for seg in self.hbufs.values():
             seg.unlink()
         self.hbufs.clear()
+        if self.coll is not None:
+            self.coll.free()
 
     # ---- helpers ---------------------------------------------------------------------------
     def _token(self):
@@ -73,12 +76,22 @@ class HierComm:
         host's MPI process (the master runs it itself); every rank gets the answer."""
         token = self._token()
         if self.pos == 0:
-            if self.w is not None:
-                self.requests.answer(token, run_request(self.w, req, self.mpi_buffers))
+            if self.w is not None:                   # the master: its host's MPI process
+                op = Pending(self.coll.comm, self.w.MPI, req, self.mpi_buffers)
+                try:                                 # (watching the other hosts meanwhile)
+                    self.ctl.waiter.wait(op.test, self.ctl.sleep, owed=lambda: [],
+                                         what="a collective between hosts")
+                except BaseException:
+                    abandon(op)
+                    self.coll.abandoned = True
+                    raise
+                self.requests.answer(token, op.result)
             else:
                 self.requests.write(token, req)
-                self.ctl.waiter.wait(lambda: self.requests.answered(token), self.ctl.sleep,
+                self.ctl.waiter.wait(lambda: self.requests.answered(token) or self.ctl.aborted(), self.ctl.sleep,
                                      owed=lambda: [], what="a collective between hosts")
+                if not self.requests.answered(token):
+                    raise Aborted("another rank failed during this collective")
         self.ctl.host_barrier()
         return self.requests.answer_obj(token)
 

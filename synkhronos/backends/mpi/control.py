@@ -39,7 +39,7 @@ included); an uncaught exception in an MPI process ends the job (``MPI_Abort``) 
 hanging it."""
 import numpy as np
 
-from .world import CMD, DATA
+from .world import CMD, DATA, RESYNC
 
 
 def host_block(need, ranks):
@@ -68,8 +68,9 @@ class HierControl:
 
     channel_kind = "mpi"
 
-    def __init__(self, w, host0, hub, host_ranks, waiter):
+    def __init__(self, w, host0, hub, host_ranks, waiter, colls):
         self.w, self.local, self.hub = w, host0, hub
+        self.colls = colls                        # requests.Collectives: renewed after an aborted command
         self.host_ranks = host_ranks              # MPI rank -> range of global ranks
         self.n = host_ranks[w.size - 1].stop
         self.rank = self.master_rank = 0
@@ -79,6 +80,11 @@ class HierControl:
 
     # master
     def send(self, seq, command, needs=()):
+        prev = self.local.seq
+        if prev > 0 and self.local.last_abort() == prev:   # (its replies are collected: it is over everywhere)
+            for m in self.hub.agents:
+                self.w.isend(prev, m, RESYNC)
+            self.colls.renew()
         needs = needs() if callable(needs) else needs
         headers = {}
         payloads = {}

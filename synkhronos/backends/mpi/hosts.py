@@ -3,7 +3,7 @@ workers are told, and the ends of the sessions on the other hosts."""
 import os
 import time
 
-from .world import BYE, END, EXIT, READY, START, world
+from .world import BYE, END, ENDED, EXIT, READY, START, world
 from ..host.device import usable_cores
 from ..shm import segments as shm
 
@@ -69,12 +69,20 @@ def start_agents(sizes, settings, device_config):
         w.isend(dict(settings, device=dev, host_index=m, host_sizes=sizes, first=firsts[m]), m, START)
 
 
-def end_agents(graceful):
-    """Close the session on every other host (``graceful``: its workers quit cleanly)."""
+def end_agents(graceful, timeout=10.0):
+    """Close the session on every other host (``graceful``: its workers quit cleanly), and
+    wait until every agent says it has (``ENDED``), dropping whatever else they sent
+    before: no message of this session (a late reply, a lost rank) can reach the next one."""
     w = world()
     for m in range(1, w.size):
         w.isend(not graceful, m, END)
     w.flush()
+    waiting, deadline = set(range(1, w.size)), time.monotonic() + timeout
+    while waiting and time.monotonic() < deadline:
+        for src, tag, _ in w.poll():
+            if tag == ENDED:
+                waiting.discard(src)
+        time.sleep(0.0005)
 
 
 def remove_job_files(cfg):

@@ -2,6 +2,8 @@
 other hosts' ranks as their agents report them (started, lost or stopped)."""
 import socket
 
+from ...launcher import RankGone
+
 
 class MpiLauncher:
     """The master's launcher: its own host's workers, and the other hosts' ranks through
@@ -17,7 +19,12 @@ class MpiLauncher:
     def check(self):
         self.hub.service()
         self.hub.check()
-        self.local.check()
+        try:
+            self.local.check()
+        except RankGone as gone:          # across hosts every report names the host
+            if gone.host is None:
+                gone.host = self.host
+            raise
 
     def info(self):
         return self.local.info() + list(self.hub.ranks_info)

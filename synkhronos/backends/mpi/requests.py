@@ -1,5 +1,11 @@
 """A host's requests to its MPI process: one MPI operation on a host buffer, run by every
-host's MPI process in the same order, answered through a small shared segment."""
+host's MPI process in the same order, answered through a small shared segment.
+
+The operations never block (``Pending``: MPI's nonblocking collectives, tested while the
+process goes on watching its ranks and messages): a rank lost on another host, or the end
+of the session, must reach a process that waits for one, and a process blocked inside MPI
+hears nothing.  Each session runs them on a communicator of its own, so that an
+operation a lost session left unfinished can never be matched with a later session's."""
 import pickle
 
 import numpy as np
@@ -58,36 +64,107 @@ class Requests:
         self.seg = None
 
 
-def run_request(w, req, buffers):
-    """Run one request of a host between hosts (every host's MPI process, in order).
-    ``buffers``: name -> Segment cache of the host's buffers."""
-    kind = req[0]
-    MPI = w.MPI
-    if kind == "allgather":
-        return w.comm.allgather(req[1])
+class Pending:
+    """One host's MPI operation between hosts, started without blocking (every host's MPI
+    process starts the same operations in the same order, on the session's own
+    communicator); ``test()`` drives it and tells when it is done, ``result`` is then its
+    answer (a list for ``allgather``, else None).  A caller that gives up on it (a lost
+    rank, the session's end) hands it to ``abandon``: MPI may still use its buffers."""
 
-    def arr(name, dtype, count):
-        seg = buffers.get(name)
-        if seg is None:
-            # host buffers are named PREFIX_h{kind}{key}x{n}: a new n replaced the old buffer
-            stem = name[:name.rindex("x")]
-            for old in [b for b in buffers if b[:b.rindex("x")] == stem]:
-                del buffers[old]                 # unmap it: its memory goes back
-            seg = buffers[name] = shm.Segment(name)
-        return seg.array(np.dtype(dtype), (count,))
-    if kind == "allreduce":
-        _, name, dtype, count, op = req
-        op = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}[op]
-        w.comm.Allreduce(MPI.IN_PLACE, arr(name, dtype, count), op=op)
-    elif kind == "bcast":
-        _, name, dtype, count = req
-        w.comm.Bcast(arr(name, dtype, count), root=0)
-    elif kind == "allgatherv":
-        _, name, dtype, counts, out_name = req
-        out = arr(out_name, dtype, max(1, sum(counts)))
-        displ = [int(x) for x in np.concatenate([[0], np.cumsum(counts)[:-1]])]
-        w.comm.Allgatherv(arr(name, dtype, max(1, counts[w.rank]))[:counts[w.rank]],
-                          [out, (list(counts), displ)])
-    else:
-        raise ValueError(f"unknown request {kind!r}")
-    return None
+    def __init__(self, comm, MPI, req, buffers):
+        self.comm, self.MPI, self.kind = comm, MPI, req[0]
+        self.result = None
+        self.keep = []                  # buffers MPI uses until the operation completes
+        if self.kind == "allgather":    # Python objects: their sizes, then their bytes
+            self.data = pickle.dumps(req[1], protocol=5)
+            self.sizes = np.zeros(comm.Get_size(), np.int64)
+            self.keep = [self.data, np.array([len(self.data)], np.int64)]
+            self.req = comm.Iallgather([self.keep[1], MPI.INT64_T], [self.sizes, MPI.INT64_T])
+            self.phase = 1
+            return
+        self.phase = 2
+        if self.kind == "allreduce":
+            _, name, dtype, count, op = req
+            op = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}[op]
+            buf = _host_array(buffers, name, dtype, count)
+            self.req = comm.Iallreduce(MPI.IN_PLACE, buf, op=op)
+            self.keep = [buf]
+        elif self.kind == "bcast":
+            _, name, dtype, count = req
+            buf = _host_array(buffers, name, dtype, count)
+            self.req = comm.Ibcast(buf, root=0)
+            self.keep = [buf]
+        elif self.kind == "allgatherv":
+            _, name, dtype, counts, out_name = req
+            me = comm.Get_rank()
+            out = _host_array(buffers, out_name, dtype, max(1, sum(counts)))
+            displ = [int(x) for x in np.concatenate([[0], np.cumsum(counts)[:-1]])]
+            buf = _host_array(buffers, name, dtype, max(1, counts[me]))[:counts[me]]
+            self.req = comm.Iallgatherv(buf, [out, (list(counts), displ)])
+            self.keep = [buf, out]
+        else:
+            raise ValueError(f"unknown request {self.kind!r}")
+
+    def test(self):
+        """Whether the operation is complete (progresses it)."""
+        if not self.req.Test():
+            return False
+        if self.phase == 1:             # sizes known: now the bytes
+            sizes = [int(x) for x in self.sizes]
+            self.displs = [int(x) for x in np.concatenate([[0], np.cumsum(sizes)[:-1]])]
+            self.recv = bytearray(max(1, sum(sizes)))
+            self.keep.append(self.recv)
+            self.req = self.comm.Iallgatherv([self.data, self.MPI.BYTE],
+                                             [self.recv, (sizes, self.displs), self.MPI.BYTE])
+            self.sizes_list, self.phase = sizes, 2
+            return self.test()
+        if self.kind == "allgather":
+            view = memoryview(self.recv)
+            self.result = [pickle.loads(view[d:d + n]) for d, n in zip(self.displs, self.sizes_list)]
+        return True
+
+
+class Collectives:
+    """The communicator of a session's MPI operations between hosts, renewed on every MPI
+    process (``renew``) after a command that was aborted: an aborted command may leave an
+    operation started on one host and not on another, and MPI matches collective operations
+    by their order alone, so the old communicator is given up with whatever is pending on it."""
+
+    def __init__(self, w, idle):
+        self.w, self.idle = w, idle
+        self.comm = w.session_comm(idle)
+        self.abandoned = False          # an operation on the current communicator was given up
+        self.generation = 0
+
+    def renew(self):
+        self.comm = self.w.session_comm(self.idle)
+        self.abandoned = False
+        self.generation += 1
+
+    def free(self):
+        if self.comm is not None and not self.abandoned:
+            self.comm.Free()
+        self.comm = None
+
+
+_abandoned = []                 # operations given up on, with their buffers (MPI may still use them)
+
+
+def abandon(pending):
+    """Give up on an operation that may never complete (another host's process is gone or
+    stuck): it is never waited for, and its buffers stay alive."""
+    _abandoned[:] = [p for p in _abandoned if not p.req.Test()]
+    if not pending.req.Test():
+        _abandoned.append(pending)
+
+
+def _host_array(buffers, name, dtype, count):
+    """A host buffer by name (``buffers``: name -> Segment, this process's mappings)."""
+    seg = buffers.get(name)
+    if seg is None:
+        # host buffers are named PREFIX_h{kind}{key}x{n}: a new n replaced the old buffer
+        stem = name[:name.rindex("x")]
+        for old in [b for b in buffers if b[:b.rindex("x")] == stem]:
+            del buffers[old]                 # unmap it: its memory goes back
+        seg = buffers[name] = shm.Segment(name)
+    return seg.array(np.dtype(dtype), (count,))

@@ -16,7 +16,8 @@ import numpy as np
 from ..shm import segments as shm
 
 # message tags, master <-> host agents
-CMD, REPLY, ARRIVE_T, GO, VOTE_T, DECIDE, ABORT, LOST, DATA, START, READY, END, EXIT, BYE = range(101, 115)
+CMD, REPLY, ARRIVE_T, GO, VOTE_T, DECIDE, ABORT, LOST, DATA, START, READY, END, EXIT, BYE, ENDED, RESYNC = \
+    range(101, 117)
 # messages from other hosts wake no sleeper: an MPI process polls every POLL seconds while a
 # command may be going on, every POLL_IDLE once nothing happened for IDLE_AFTER seconds
 POLL, POLL_IDLE, IDLE_AFTER = 0.0002, 0.005, 1.0
@@ -68,6 +69,20 @@ class World:
         self.finished = False         # the master's session ended and the agents were told
         self.close_session = None    # set by the master's wiring: closes its session (-> whether one was open)
         _abort_on_uncaught(self)
+
+    def session_comm(self, idle, timeout=120.0):
+        """A communicator of its own for one session's collectives (``Idup``: every MPI
+        process of the job calls this when a session opens, in the same order); ``idle()``
+        is called while the others join (it may raise to give up)."""
+        import time
+        comm, req = self.comm.Idup()
+        deadline = time.monotonic() + timeout
+        while not req.Test():
+            idle()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"synkhronos: the MPI processes did not open the session within {timeout} s")
+            time.sleep(0.0005)
+        return comm
 
     def isend(self, obj, dest, tag):
         data = pickle.dumps(obj, protocol=5)
