@@ -8,7 +8,8 @@
 """
 import sys as _sys
 
-from .session import fork, close, debug_log, session_info
+from .session import fork, close
+from .diagnostics import debug_log, session_info, flight_report
 from .debug import DebugMismatch
 from .data import data, Data
 from .function import function, distribute, Function
@@ -34,5 +35,5 @@ __all__ = ["fork", "close", "data", "Data", "function", "distribute", "Function"
            "set_value", "get_value", "get_lengths", "get_shapes",
            "SynkError", "WorkerError", "WorkerDied", "WorkerStopped", "StallTimeout", "RankLost",
            "ForeignSession", "OutOfRange", "BadArgument", "DeviceMemoryError", "DebugMismatch", "debug_log",
-           "session_info",
+           "session_info", "flight_report",
            "get_n_gpu"]

@@ -82,6 +82,11 @@ class Control(Protocol):
     def wake(self, ranks: Iterable[int]) -> None:
         """Wake ``ranks`` (slots of this plane) from ``sleep``: a hint, never a message."""
 
+    def flight_area(self, slot: int) -> Optional[tuple]:
+        """The flight recorder's area of ``slot`` (``synkhronos.flight``): an int64 and a
+        float64 view of the same words, which the master can read without the rank's help;
+        None where the plane keeps none."""
+
     def close(self) -> None:
         """Free what this rank holds of the plane (the master: the whole session's)."""
 
@@ -110,6 +115,10 @@ class MasterControl(Control, Protocol):
 
     def alloc(self, nbytes: int, tag: str = "d") -> Buffer:
         """A ``Buffer`` of at least ``nbytes`` that every rank can ``view``."""
+
+    def flights(self, wait: float = 0.0, ranks: Optional[dict] = None, host: str = "") -> list:
+        """Every rank's ``flight.RankFlight`` (other hosts' asked for and awaited ``wait``
+        seconds; 0: the last ones received, with no message sent)."""
 
 
 @runtime_checkable

@@ -6,7 +6,9 @@ master's is ``session.me``).
 ``current()`` is the rank this process is acting as while it runs its share of a command
 (always, in a worker; in the master only inside a command), else None: code that runs
 inside compiled graphs (collective ops) uses it to reach the comm plane."""
-from . import shards
+import os
+
+from . import flight, shards
 
 _current = None
 
@@ -42,6 +44,10 @@ class Rank:
         self.call_cache = {}   # function id -> (wire plan, plan, its input views): a worker's last call
         self.seq = 0           # the command this rank is running (or ran last)
         self.extras = {}       # state that extensions keep on this rank, by name
+        # the flight recorder of this rank: the worker loop, the waits and the comm stack write to it
+        self.flight = flight.recorder(control, control.rank, os.getpid())
+        control.waiter.flight = self.flight
+        comm.flight = self.flight
 
     is_master = property(lambda self: self.rank == self.master_rank)
 

@@ -31,9 +31,11 @@ def _items(me, vids):
 
 
 def _impl(me, verb, vids, op=None):
+    get = me.device.get
+    nbytes = sum(getattr(get(me.shareds[v]), "nbytes", 0) for v in vids)     # (for the flight recorder)
     if len(vids) == 1:
-        return me.comm.pick(verb, me.shareds[vids[0]].type.dtype, op, me.device.placement)
-    impls = {me.comm.pick(verb, me.shareds[v].type.dtype, op, me.device.placement) for v in vids}
+        return me.comm.pick(verb, me.shareds[vids[0]].type.dtype, op, me.device.placement, nbytes)
+    impls = {me.comm.pick(verb, me.shareds[v].type.dtype, op, me.device.placement, nbytes) for v in vids}
     if len(impls) > 1:
         raise TypeError(f"{verb} of variables of different dtypes served by different implementations; "
                         "call it once per dtype")

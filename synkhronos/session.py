@@ -14,12 +14,11 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 
 from . import signals
 import numpy as np
 
-from . import backends
+from . import backends, flight
 from .debug import DebugMismatch, compare, fingerprint
 from .debug import enabled as debug_enabled
 from .errors import (Aborted, ForeignSession, StallTimeout, SynkError, WorkerDied,
@@ -109,6 +108,8 @@ class Session:
         self.saved_signals = {}
         self.lengths = LengthCache()
         self.closed_cleanly = False
+        self.command_log = {}          # seq -> what it was (the last 64 commands; flight reports)
+        self.waiter.report = lambda: self.print_flight("synkhronos flight recorder at the stall")
 
     shareds = property(lambda self: self.me.shareds)
 
@@ -198,10 +199,10 @@ class Session:
             self.launcher.stop(graceful)
         self.device.release_master()
         signals.unwrap()
-        for sig, handler in self.saved_signals.items():
+        for sig, (previous, ours) in self.saved_signals.items():
             try:
-                if signal.getsignal(sig) is _raise_exit:
-                    signal.signal(sig, handler)
+                if signal.getsignal(sig) is ours:
+                    signal.signal(sig, previous)
             except ValueError:
                 pass
         if me is not None:
@@ -238,6 +239,7 @@ class Session:
         forget, self.forget = self.forget, []
         settle, self.settle = self.settle, None
         self.inflight = _Inflight(seq, ctl.workers, forget, settle)
+        self.me.flight.command(seq)
         ctl.send(seq, Command(name, args, forget, settle), needs)
         self.commands_sent[name] = self.commands_sent.get(name, 0) + 1
         return seq
@@ -302,6 +304,7 @@ class Session:
             if self.debug:
                 fp = fingerprint(me.seq, name, args, me.shareds)
             seq = self._send(name, args, needs)
+            self.log_command(seq, what)
             self.settle = (seq, False)
             if local is not None or after is not None:
                 try:
@@ -324,10 +327,12 @@ class Session:
                 me.control.abort(seq)
                 raise
         except RankGone as g:
+            self.print_flight(f"synkhronos flight recorder when rank {g.rank} was lost during {what}")
             self._close_after_loss()
             signals.release()
             raise self._lost(g, what) from None
         except StallTimeout:
+            self.print_flight(f"synkhronos flight recorder at the timeout during {what}")
             self._close_after_loss()
             signals.release()
             raise
@@ -336,6 +341,7 @@ class Session:
             signals.restore_interrupt(e)
             raise
         signals.release()            # held since a commit: the command is complete everywhere
+        self.me.flight.done(seq)
         errors = {r: rep.value for r, rep in replies.items() if rep.status == "err"}
         if self.debug:
             fps = {r: rep.fingerprint for r, rep in replies.items()}
@@ -368,6 +374,27 @@ class Session:
         with signals.deferred():
             self.settle = (settle[0], True)
             self.me.settle(self.settle)
+
+    def log_command(self, seq, what):
+        """Remember what command ``seq`` was (the flight report names it); the last 64."""
+        log = self.command_log
+        log[seq] = what
+        if len(log) > 64:
+            del log[next(iter(log))]
+
+    def flights(self, wait=0.3):
+        """Every rank's ``flight.RankFlight`` (the other hosts' awaited ``wait`` seconds)."""
+        if self.planes is None or self.closed:
+            return []
+        return self.me.control.flights(wait=wait, host=self.launcher.host)
+
+    def print_flight(self, title="synkhronos flight recorder", wait=0.3):
+        """Print every rank's state, and what each waits for (on a stall, a loss, SIGUSR1)."""
+        try:
+            text = flight.report(self.flights(wait), self.command_log, title)
+            print(text, file=sys.stderr, flush=True)
+        except Exception as e:        # (a report must never hide what caused it)
+            print(f"synkhronos: no flight report ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
 
     def _close_after_loss(self):
         try:
@@ -469,59 +496,41 @@ def _seconds(value, name, env, default):
 def _exit_on_termination(session):
     """SIGTERM/SIGHUP (a cancelled job, a closed terminal) would kill the master without
     running close(); turn them into SystemExit so close() removes the workers and buffers.
-    Only default handlers are replaced, and they are restored by close()."""
+    SIGUSR1 prints the flight report (what every rank is doing: ``kill -USR1 <master>`` on
+    a job that seems stuck).  Only default handlers are replaced, and close() restores them."""
     saved = {}
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    handlers = {signal.SIGTERM: _raise_exit, signal.SIGHUP: _raise_exit, signal.SIGUSR1: _print_flight}
+    for sig, handler in handlers.items():
         try:
             if signal.getsignal(sig) is signal.SIG_DFL:
-                saved[sig] = signal.signal(sig, _raise_exit)
+                saved[sig] = (signal.signal(sig, handler), handler)
         except ValueError:          # not the main thread: leave signals alone
             pass
     session.saved_signals = saved
+
+
+def _print_flight(signum, frame):
+    """SIGUSR1: the flight report of this process's session (no message to other hosts from
+    a signal handler: theirs as last received)."""
+    session = _session
+    if session is not None and not session.closed:
+        session.print_flight("synkhronos flight recorder (SIGUSR1)", wait=0.0)
 
 
 def _raise_exit(signum, frame):
     raise SystemExit(128 + signum)
 
 
-@dataclass(frozen=True)
-class RankInfo:
-    rank: int
-    host: str
-    pid: int
-
-
-@dataclass(frozen=True)
-class SessionInfo:
-    """What ``synk.session_info()`` reports about the current session."""
-    open: bool
-    distributed: bool
-    n: int
-    master_rank: int
-    ranks: tuple            # RankInfo of every rank, the master's included
-    commands: dict          # command name -> how many the master sent so far
-    debug: bool
-    resources: dict         # what the session owns, e.g. {"shm_prefix": "/synk_…"}
-
-
-def session_info():
-    """A description of the current session (its ranks' hosts and processes, commands sent,
-    the names of its shared resources), or None when there is none.  For diagnostics."""
+def last():
+    """This process's session, open or closing, or None (none, or its parent's after a fork)."""
     session = _session
-    if session is None or session.pid != os.getpid():
-        return None
-    ranks = [RankInfo(r, h, p) for r, h, p in session.launcher.info()]
-    ranks.append(RankInfo(session.rank, session.launcher.host, session.pid))
-    planes = session.planes
-    return SessionInfo(not session.closed, session.distributed, session.n, session.master_rank,
-                       tuple(sorted(ranks, key=lambda i: i.rank)), dict(session.commands_sent), session.debug,
-                       dict(planes.resources) if planes is not None else {})
+    return session if session is not None and session.pid == os.getpid() else None
 
 
-def debug_log():
-    """Fingerprints of every command so far ({rank: fingerprint} each), in debug mode."""
-    session = _session
-    return [] if session is None else list(session.debug_log)
+def current():
+    """This process's open session, or None."""
+    session = last()
+    return None if session is None or session.closed else session
 
 
 def close():

@@ -8,6 +8,7 @@ import sys
 import time
 
 from .errors import StallTimeout
+from .flight import NOTHING
 
 DEFAULT_STALL = 60.0
 
@@ -46,6 +47,8 @@ class Waiter:
         self.stream = stream
         self.spin = self.SPIN if spin is None else spin
         self.service = None          # called at every look (e.g. messages from other hosts)
+        self.flight = NOTHING        # the rank's flight recorder: what a long wait waits for, on whom
+        self.report = None           # called after each stall warning (the master: the flight report)
 
     def wait(self, ready, sleep, owed=None, what="command", idle=False):
         """Return once ``ready()`` is true.  ``sleep(t)`` blocks at most ``t`` seconds (or
@@ -71,19 +74,28 @@ class Waiter:
         tick = self.TICK_IDLE if idle else self.TICK
         start = time.monotonic()
         next_warn = self.stall
-        while True:
-            sleep(tick)
-            if ready():
-                return
-            self.check()
-            if idle:
-                continue
-            waited = time.monotonic() - start
-            if self.timeout is not None and waited >= self.timeout:
-                raise StallTimeout(_owed(owed), waited, what)
-            if next_warn is not None and waited >= next_warn:
-                next_warn += self.stall
-                self._warn(_owed(owed), waited, what)
+        flight = self.flight
+        flight.waiting(what)
+        try:
+            while True:
+                sleep(tick)
+                if ready():
+                    return
+                self.check()
+                if idle:
+                    continue
+                if owed is not None:
+                    flight.owed(_owed(owed))
+                waited = time.monotonic() - start
+                if self.timeout is not None and waited >= self.timeout:
+                    raise StallTimeout(_owed(owed), waited, what)
+                if next_warn is not None and waited >= next_warn:
+                    next_warn += self.stall
+                    self._warn(_owed(owed), waited, what)
+                    if self.report is not None:
+                        self.report()
+        finally:
+            flight.waited()
 
     def _warn(self, ranks, waited, what):
         stream = self.stream or sys.stderr

@@ -66,6 +66,7 @@ def serve(cfg):
             control.reply(control.seq, Reply("err", traceback.format_exc()))
             continue
         me.seq = seq
+        me.flight.command(seq)
         fp = None
         try:
             me.settle(command.settle)
@@ -85,6 +86,7 @@ def serve(cfg):
             signals.release()
         if debug:
             reply = reply._replace(fingerprint=fp)
+        me.flight.done(seq)
         try:
             control.reply(seq, reply)
         except BaseException:

@@ -203,9 +203,12 @@ def scenario_train(n, steps):
 def scenario_fault(n, what):
     """``kill`` / ``stop``: the last rank (on the last host) is killed / stopped while the
     master waits for it; ``raise``: the master's script raises an uncaught exception;
-    ``idle``: the master just waits (to be killed from outside)."""
+    ``idle``: the master just waits (to be killed from outside); ``fork_error``: the
+    master's ``synk.fork(n)`` is refused (an uncaught ValueError)."""
     import pytensor.tensor as T
     import synkhronos as synk
+    if what == "fork_error":
+        synk.fork(int(n))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import _fault_scripts as fs
     fs.quiet()

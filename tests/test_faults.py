@@ -693,6 +693,36 @@ def test_stopped_rank_is_reported(name):
         synk.close()
 
 
+def test_flight_recorder_says_who_is_stuck_where(capfd):
+    """A stopped worker during all_reduces: the stall warning comes with the flight report
+    (every rank: its command and collective and since when; the master and the others
+    waiting in a vote, on whom; the stopped rank marked), SIGUSR1 prints it on demand, and
+    the loss prints it once more before ``WorkerStopped``."""
+    try:
+        s = build(stall=0.4)
+        synk.all_reduce(s.w, "sum")                               # warm
+        info = synk.session_info()
+        assert [f.rank for f in info.flight] == list(range(N)) and all(f.command < 0 for f in info.flight)
+        assert [f.pid for f in info.flight] == [r.pid for r in info.ranks]
+        assert all(h[1] == "all_reduce" and h[2] == 64 for f in info.flight for h in f.history[-1:])
+        capfd.readouterr()
+        os.kill(s.pids[VICTIM], signal.SIGSTOP)
+        threading.Timer(0.6, lambda: os.kill(os.getpid(), signal.SIGUSR1)).start()
+        e, dt = raises_within(lambda: [synk.all_reduce(s.w, "sum") for _ in range(1000)])
+        assert isinstance(e, synk.WorkerStopped) and e.rank == VICTIM
+        err = capfd.readouterr().err
+        for title in ("flight recorder at the stall", "flight recorder (SIGUSR1)",
+                      f"flight recorder when rank {VICTIM} was lost"):
+            assert f"synkhronos {title}" in err, err
+        report = err.split("synkhronos flight recorder (SIGUSR1):")[1].split("synkhronos")[0]
+        lines = {int(ln.split()[1]): ln for ln in report.splitlines() if ln.strip().startswith("rank ")
+                 and "last collectives" not in ln}
+        assert "STOPPED" in lines[VICTIM] and "STOPPED" not in lines[0]
+        assert "(all_reduce)" in lines[0] and "waiting for a vote" in lines[0] and f"on rank(s) {VICTIM}" in lines[0]
+    finally:
+        synk.close()
+
+
 def test_slow_rank_warns_and_is_never_killed(capfd):
     """A rank stuck in user code (here: 2 s of sleep) only makes the master warn, naming it,
     after each stall interval; without a timeout the call completes correctly."""

@@ -105,6 +105,14 @@ def test_hosts_rank_lost_on_the_other_host(hosts, what, exc):
     assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
     assert res["raised"] == exc and res["rank"] == 3 and res["host"] == "hB", res
     assert "rank 3 on host hB" in res["message"] and res["seconds"] < 5.0
+    # the flight recorder's report, printed before the error: every rank of both hosts (the
+    # other host's from its agent), the lost one marked
+    out = p.stdout + p.stderr
+    assert "synkhronos flight recorder when rank 3 was lost" in out, out[-3000:]
+    report = out.split("synkhronos flight recorder when rank 3 was lost")[1]
+    for rank, host in ((0, "hA"), (1, "hA"), (2, "hB"), (3, "hB")):
+        assert f"rank {rank} ({host}, pid" in report, report
+    assert ("STOPPED" if what == "stop" else "GONE") in report.split("rank 3 (hB")[1].split("\n")[0], report
     assert_hosts_clean(hosts)
 
 
@@ -177,6 +185,17 @@ def test_hosts_uncaught_exception_ends_the_job(hosts):
     t0 = time.monotonic()
     p, info, res = run_hosts(hosts, "fault", "4", "raise", timeout=60)
     assert p.returncode != 0 and "synk-test: an uncaught exception" in p.stdout + p.stderr
+    assert time.monotonic() - t0 < 30
+    assert_hosts_clean(hosts)
+
+
+def test_hosts_refused_fork_ends_the_job_cleanly(hosts):
+    """``synk.fork()`` refused in the master under mpiexec (fewer ranks than hosts): the
+    error is printed, the agents are told to exit, the job ends, and no host keeps anything
+    (MPICH's own files included: no MPI_Abort)."""
+    t0 = time.monotonic()
+    p, info, res = run_hosts(hosts, "fault", "1", "fork_error", timeout=60)
+    assert p.returncode != 0 and "is less than the 2 MPI processes" in p.stdout + p.stderr
     assert time.monotonic() - t0 < 30
     assert_hosts_clean(hosts)
 

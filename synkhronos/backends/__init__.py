@@ -94,12 +94,12 @@ def plan(n_parallel, use_gpu, mode, close_session):
     if w.rank != 0:
         from .mpi.agent import serve_host
         serve_host()                           # never returns: the process exits there
+    if w.close_session is None:                # (first: even a refused fork() ends the job cleanly)
+        w.close_session = close_session
+        atexit.register(mpi_hosts.finish, close_session)
     if use_gpu:
         raise NotImplementedError("GPUs across several machines are not supported yet: use CPU ranks "
                                   "(use_gpu=False) under mpiexec")
-    if w.close_session is None:
-        w.close_session = close_session
-        atexit.register(mpi_hosts.finish, close_session)
     hosts = mpi_hosts.hosts(n_parallel if n_parallel is None else int(n_parallel))
     sizes = hosts[0]
     return Topology("mpi", select_device(sum(sizes), False, mode, local_n=sizes[0]), hosts)

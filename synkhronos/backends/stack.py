@@ -8,8 +8,11 @@ class CommStack:
     def __init__(self, impls):
         self.impls = list(impls)
         self._cache = {}
+        self.flight = None         # the rank's flight recorder (set by its Rank): each pick is recorded
 
-    def pick(self, verb, dtype=None, op=None, placement="host"):
+    def pick(self, verb, dtype=None, op=None, placement="host", nbytes=0):
+        if self.flight is not None:
+            self.flight.collective(verb, nbytes)
         k = (verb, dtype, op, placement)
         impl = self._cache.get(k)
         if impl is None:

@@ -3,6 +3,7 @@ and watches the host's workers and forwards between them and the master (command
 data they read, barrier arrivals, votes, aborts, replies, lost ranks, requests for MPI
 collectives and channel messages).  ``serve_host`` is its whole life: ``synk.fork()``
 never returns there."""
+import dataclasses
 import os
 import sys
 import time
@@ -14,7 +15,7 @@ from .hosts import worker_config
 from .hub import HostView
 from .requests import Pending, Requests, abandon
 from .world import (ABORT, ARRIVE_T, BYE, CMD, DECIDE, END, ENDED, EXIT, GO, IDLE_AFTER, LOST, POLL, POLL_IDLE,
-                    READY, REPLY, RESYNC, START, VOTE_T, world)
+                    FLIGHT, READY, REPLY, RESYNC, START, VOTE_T, world)
 from ..host.device import usable_cores
 from ..host.launcher import SubprocessLauncher, worker_argv, worker_environment
 from ..registry import make_device
@@ -142,6 +143,9 @@ class Agent:
                 if obj >= ctl.seq:
                     host.sent_abort = obj
                     host.set_abort(obj)
+            elif tag == FLIGHT:                # the master asks for this host's flight records
+                ranks = {m: self.grank(m) for m in self.members}
+                w.isend([dataclasses.astuple(f) for f in ctl.flights(ranks=ranks, host=w.host)], 0, FLIGHT)
             elif tag == RESYNC:                # after an aborted command: a new communicator
                 self.resync()
             elif tag in (END, EXIT):

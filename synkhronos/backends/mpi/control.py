@@ -166,6 +166,15 @@ class HierControl:
     def array(self, ref):
         return self.local.array(ref)
 
+    def flight_area(self, slot):
+        return self.local.flight_area(slot)
+
+    def flights(self, wait=0.0, ranks=None, host=""):
+        """Every rank's flight record: this host's read here, the others' as their agents
+        last sent them (asked for now, and awaited ``wait`` seconds)."""
+        mine = self.local.flights(host=host or self.w.host)
+        return mine + self.hub.remote_flights(wait)
+
     def sleep(self, tick):
         self.local.sleep(tick)
 

@@ -5,9 +5,10 @@ barriers, votes and aborts of a host's shared-memory session.
 its own host, an agent on the others).  ``Hub`` is the master's side: it gathers the
 agents' arrivals, votes, aborts, replies and lost ranks, and answers with "go", decisions
 and aborts, at every look of the master's waits."""
-from .world import ABORT, ARRIVE_T, DECIDE, GO, LOST, READY, REPLY, VOTE_T
+from .world import ABORT, ARRIVE_T, DECIDE, FLIGHT, GO, LOST, READY, REPLY, VOTE_T
 from ..shm.control import ARRIVE, VOTE
 from ...launcher import RankGone
+from ...flight import RankFlight
 from ...messages import Reply
 
 
@@ -59,6 +60,7 @@ class Hub:
         self.replies = {}           # seq -> {global rank: reply}
         self.lost = None
         self.ranks_info = []        # (rank, host, pid) of the other hosts' ranks
+        self.flights = {}           # agent -> the flight records it sent last
 
     def service(self):
         for src, tag, obj in self.w.poll():
@@ -80,6 +82,8 @@ class Hub:
             elif tag == LOST:
                 if self.lost is None:
                     self.lost = obj
+            elif tag == FLIGHT:         # an agent's flight records (asked for)
+                self.flights[src] = [RankFlight(*f) for f in obj]
             elif tag == READY:          # an agent started its ranks
                 host, pids = obj
                 self.ranks_info.extend((r, host, p) for r, p in sorted(pids.items()))
@@ -107,6 +111,20 @@ class Hub:
                 for ag in self.agents:
                     self.w.isend((tok, ok), ag, DECIDE)
                 h.decide(tok, ok)
+
+    def remote_flights(self, wait):
+        """The other hosts' flight records: asked for, awaited ``wait`` seconds (0: the
+        last ones received; no MPI call, e.g. from a signal handler)."""
+        import time
+        if wait > 0:
+            asked = time.monotonic()
+            self.flights = {}
+            for a in self.agents:
+                self.w.isend(None, a, FLIGHT)
+            while len(self.flights) < len(self.agents) and time.monotonic() - asked < wait:
+                self.service()
+                time.sleep(0.002)
+        return [f for a in sorted(self.flights) for f in self.flights[a]]
 
     def check(self):
         if self.lost is not None:

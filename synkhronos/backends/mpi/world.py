@@ -16,8 +16,8 @@ import numpy as np
 from ..shm import segments as shm
 
 # message tags, master <-> host agents
-CMD, REPLY, ARRIVE_T, GO, VOTE_T, DECIDE, ABORT, LOST, DATA, START, READY, END, EXIT, BYE, ENDED, RESYNC = \
-    range(101, 117)
+CMD, REPLY, ARRIVE_T, GO, VOTE_T, DECIDE, ABORT, LOST, DATA, START, READY, END, EXIT, BYE, ENDED, RESYNC, \
+    FLIGHT = range(101, 118)
 # messages from other hosts wake no sleeper: an MPI process polls every POLL seconds while a
 # command may be going on, every POLL_IDLE once nothing happened for IDLE_AFTER seconds
 POLL, POLL_IDLE, IDLE_AFTER = 0.0002, 0.005, 1.0
@@ -134,17 +134,23 @@ def shm_names():
 
 
 def _abort_on_uncaught(w):
-    """An uncaught exception in an MPI process must end the job, not hang the others."""
+    """An uncaught exception in an MPI process must end the job, not hang the others: in
+    the master (once ``synk.fork()`` has run) the interpreter exits as usual, and at exit
+    the session closes and every agent is told to exit; anywhere else ``MPI_Abort``."""
     previous = sys.excepthook
 
     def hook(kind, value, tb):
         previous(kind, value, tb)
         try:
             sys.stderr.flush()
-            if w.rank == 0 and w.close_session is not None and w.close_session():
-                w.flush()                 # the normal way out: agents were told to exit
-                return
+            if w.rank == 0 and w.close_session is not None:
+                return       # the normal way out, at exit: the session closes, the agents exit (hosts.finish)
         except BaseException:
             pass
+        for name in w.mpi_shm:            # MPICH's files of this host: the abort leaves them
+            try:
+                os.unlink(os.path.join(shm.SHM_DIR, name))
+            except OSError:
+                pass
         w.comm.Abort(1)
     sys.excepthook = hook

@@ -18,15 +18,18 @@ extra post can delay nobody and fool nobody:
 
 Per-rank fields are read and written by ``get_field``/``set_field`` (the ``mpi`` plane's
 host agents and the channels use them too); ``sleep``/``wake`` are the semaphores."""
+import dataclasses
 import os
 import pickle
+import time
 
 import numpy as np
 import posix_ipc
 
 from . import segments as shm
 from .mailbox import Mailbox, MailboxReader
-from ... import signals
+from ..host.launcher import process_state
+from ... import flight, signals
 from ...errors import Aborted
 from ...messages import OK, Command, Reply
 
@@ -101,6 +104,7 @@ class ShmControl:
         self._sent_args = (None, None)    # master: (arguments object, its pickle or None)
         self._got_args = (None, None)     # worker: (pickle, arguments) of the last command
         self._meetings = {}
+        self.flight_seg = shm.Segment(prefix + "_flight", n * flight.WORDS * 8, create=create)
 
     def _field(self, rank, f):
         i = BASE + STRIDE * rank + f
@@ -391,6 +395,20 @@ class ShmControl:
     def forget(self, handles):
         for h in handles:
             self.views.pop(h, None)
+
+    def flight_area(self, slot):
+        """Slot ``slot``'s flight-recorder area: (int64 view, float64 view) of the same words."""
+        raw = memoryview(self.flight_seg.mm).cast("B")[slot * flight.WORDS * 8:(slot + 1) * flight.WORDS * 8]
+        return raw.cast("q"), raw.cast("d")
+
+    def flights(self, wait=0.0, ranks=None, host=""):
+        """What the flight recorder holds of every member (``ranks``: slot -> global rank)."""
+        now = time.monotonic()
+        out = []
+        for slot in self.members:
+            f = flight.read(self.flight_area(slot), slot if ranks is None else ranks[slot], host, now)
+            out.append(dataclasses.replace(f, state=process_state(f.pid) or "gone") if f.pid > 0 else f)
+        return out
 
     def close(self):
         self.mailbox.close()
