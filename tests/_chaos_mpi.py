@@ -155,7 +155,7 @@ def main(runs, seed):
         print(f"chaos run {run}: starting", flush=True)
         try:
             records.append(one_run(synk, rng, run))
-        except Exception as e:                                 # anything else is a failure, reported
+        except Exception:                                 # anything else is a failure, reported
             import traceback
             records.append(dict(run=run, ok=False, error=traceback.format_exc()[-1500:]))
             synk.close()
