@@ -34,7 +34,8 @@ FAULTS = ("kill", "stop", "raise", "ctrl-c")
 OPS = ("call", "all_reduce", "broadcast", "gather", "scatter")
 SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
 REPORT_S = 5.0          # a lost rank must be reported this soon
-HANG_S = 90.0           # a run this long is a hang
+STALL_S = 20.0          # the stall warning (with the flight recorder's report) comes this soon
+HANG_S = 60.0           # a run this long is a hang
 
 
 def watchdog(state):
@@ -45,16 +46,18 @@ def watchdog(state):
             started = state.get("started")
             if started is not None and time.monotonic() - started > HANG_S:
                 print(f"SYNK-HANG run {state.get('run')}: {state.get('what')}", flush=True)
+                _emit("SYNK-HANG", dict(run=state.get("run"), what=state.get("what")))
                 faulthandler.dump_traceback(all_threads=True)
-                os._exit(3)
+                from mpi4py import MPI
+                MPI.COMM_WORLD.Abort(3)       # the whole job ends (the agents too)
     threading.Thread(target=watch, daemon=True, name="chaos-watchdog").start()
 
 
-def one_run(synk, rng, run):
+def one_run(synk, rng, run, state):
     import pytensor
     import pytensor.tensor as T
     fault = FAULTS[rng.integers(len(FAULTS))]
-    synk.fork(4)
+    synk.fork(4, stall=STALL_S)
     info = synk.session_info()
     ranks = {r.rank: (r.host, r.pid) for r in info.ranks}
     victim = int(rng.integers(1, 4))                         # a worker, on either host
@@ -94,6 +97,8 @@ def one_run(synk, rng, run):
         elif fault == "ctrl-c":
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
     rec = dict(run=run, fault=fault, op=op, size=size, victim=victim, host=host, delay=round(delay, 3))
+    _emit("SYNK-RUN", rec)
+    state["what"] = f"{fault} of rank {victim} ({host}) during {op} of {size} B"
     timer = threading.Timer(delay, inject) if fault != "raise" else None
     t0 = time.monotonic()
     err = None
@@ -154,7 +159,7 @@ def main(runs, seed):
         state.update(run=run, started=time.monotonic(), what="a run")
         print(f"chaos run {run}: starting", flush=True)
         try:
-            records.append(one_run(synk, rng, run))
+            records.append(one_run(synk, rng, run, state))
         except Exception:                                 # anything else is a failure, reported
             import traceback
             records.append(dict(run=run, ok=False, error=traceback.format_exc()[-1500:]))

@@ -58,7 +58,9 @@ def _table(res):
 def _soak(hosts, runs, seed, request):
     p, info, res = run_hosts(hosts, "_chaos_mpi.py", str(runs), str(seed), timeout=120 + 60 * runs)
     out = p.stdout + p.stderr
-    assert "SYNK-HANG" not in out, out[-6000:]
+    if "SYNK-HANG" in out:                 # the hung run, what every rank was doing, the stacks
+        runs_seen = [ln for ln in out.splitlines() if "SYNK-RUN" in ln or "chaos run" in ln]
+        pytest.fail("a run hung:\n" + "\n".join(runs_seen[-3:]) + "\n" + out[out.find("synkhronos: stall"):][:12000])
     assert p.returncode == 0 and res is not None, out[-6000:]
     from _fault_scripts import report
     report(request.config, _table(res))
