@@ -129,7 +129,7 @@ class RankFlight:
     collective_for: float
     waiting: str                  # what it waits for ("" nothing)
     waiting_for: float
-    waiting_on: tuple             # the ranks it waits for, where known
+    waiting_on: tuple             # the ranks it waits for, where known (-1: the other hosts)
     history: tuple                # (command, collective, bytes, seconds) of its last ones, oldest first
     state: str = ""               # its process state where known ("T": stopped)
 
@@ -174,7 +174,8 @@ def describe(f: RankFlight, commands: Optional[dict] = None):
     if f.waiting:
         text += f"; waiting for {f.waiting} for {f.waiting_for:.3f} s"
         if f.waiting_on:
-            text += f", on rank(s) {', '.join(map(str, f.waiting_on))}"
+            who = [str(r) for r in f.waiting_on if r >= 0] + (["the other hosts"] if -1 in f.waiting_on else [])
+            text += f", on {'rank(s) ' if who[0][0].isdigit() else ''}{', '.join(who)}"
     return text
 
 

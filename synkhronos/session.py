@@ -337,6 +337,9 @@ class Session:
             signals.release()
             raise
         except BaseException as e:
+            inf = self.inflight            # interrupted with a command out (anywhere after its send):
+            if inf is not None and me.control.committed() == inf.seq:
+                me.control.abort(inf.seq)  # the ranks must leave it (collected by the next command)
             signals.release()
             signals.restore_interrupt(e)
             raise

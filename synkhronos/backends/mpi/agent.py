@@ -5,6 +5,7 @@ collectives and channel messages).  ``serve_host`` is its whole life: ``synk.for
 never returns there."""
 import dataclasses
 import os
+import signal
 import sys
 import time
 
@@ -31,6 +32,7 @@ def serve_host():
     """The life of an MPI process other than the master: say which host it is on, then
     serve the master's sessions until the master exits.  Never returns."""
     w = world()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the master's (mpiexec forwards it to all)
     w.isend((w.host, usable_cores(), os.getpid()), 0, READY)
     try:
         while True:

@@ -40,6 +40,7 @@ hanging it."""
 import numpy as np
 
 from .world import CMD, DATA, RESYNC
+from ... import signals
 
 
 def host_block(need, ranks):
@@ -80,6 +81,11 @@ class HierControl:
 
     # master
     def send(self, seq, command, needs=()):
+        # every host gets the command or none does: an interrupt (Ctrl-C) waits until all are sent
+        with signals.deferred():
+            self._send(seq, command, needs)
+
+    def _send(self, seq, command, needs):
         prev = self.local.seq
         if prev > 0 and self.local.last_abort() == prev:   # (its replies are collected: it is over everywhere)
             for m in self.hub.agents:

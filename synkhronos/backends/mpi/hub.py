@@ -7,6 +7,7 @@ agents' arrivals, votes, aborts, replies and lost ranks, and answers with "go", 
 and aborts, at every look of the master's waits."""
 from .world import ABORT, ARRIVE_T, DECIDE, FLIGHT, GO, LOST, READY, REPLY, VOTE_T
 from ..shm.control import ARRIVE, VOTE
+from ... import signals
 from ...launcher import RankGone
 from ...flight import RankFlight
 from ...messages import Reply
@@ -63,6 +64,12 @@ class Hub:
         self.flights = {}           # agent -> the flight records it sent last
 
     def service(self):
+        # forwarding and deciding are not split by an interrupt: a vote decided here is
+        # decided on every host
+        with signals.deferred():
+            self._service()
+
+    def _service(self):
         for src, tag, obj in self.w.poll():
             if tag == ARRIVE_T:
                 self.arrivals.setdefault(obj, set()).add(src)

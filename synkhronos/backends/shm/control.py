@@ -407,6 +407,10 @@ class ShmControl:
         out = []
         for slot in self.members:
             f = flight.read(self.flight_area(slot), slot if ranks is None else ranks[slot], host, now)
+            if ranks is not None or self.lead is not None:     # waits name slots of this host: ranks,
+                names = ranks or {}                            # and -1 for the lead (the other hosts)
+                f = dataclasses.replace(f, waiting_on=tuple(-1 if s == self.lead and s not in self.members
+                                                            else names.get(s, s) for s in f.waiting_on))
             out.append(dataclasses.replace(f, state=process_state(f.pid) or "gone") if f.pid > 0 else f)
         return out
 
