@@ -40,6 +40,8 @@ class Waiter:
     TICK_IDLE = 0.5      # a worker waiting for the next command
     SPIN = 200e-6        # poll this long before sleeping (``fork(spin=...)``, env SYNK_SPIN)
     HOT = 20e-6          # of which the first part without yielding the core
+    KEEP_HOT = 0.0       # then look between yields (not sleeps) this long, checking every tick:
+                         # for a process whose messages wake nobody (MPI between hosts)
 
     def __init__(self, check, stall=DEFAULT_STALL, timeout=None, stream=None, spin=None):
         self.check = check
@@ -50,9 +52,12 @@ class Waiter:
         self.flight = NOTHING        # the rank's flight recorder: what a long wait waits for, on whom
         self.report = None           # called after each stall warning (the master: the flight report)
 
-    def wait(self, ready, sleep, owed=None, what="command", idle=False):
+    def wait(self, ready, sleep, owed=None, what="command", idle=False, keep_hot=None):
         """Return once ``ready()`` is true.  ``sleep(t)`` blocks at most ``t`` seconds (or
-        until woken); ``owed()`` names the ranks still awaited (for messages)."""
+        until woken); ``owed()`` names the ranks still awaited (for messages).  For the first
+        ``keep_hot`` seconds (default ``KEEP_HOT``) the waits between looks yield the core
+        instead of sleeping: an answer that wakes nobody (an MPI message, an MPI operation
+        that progresses only while it is tested) is seen at once."""
         if self.service is not None:
             service = self.service
             inner = ready
@@ -73,14 +78,19 @@ class Waiter:
             os.sched_yield()     # if the peer wants this core, let it run
         tick = self.TICK_IDLE if idle else self.TICK
         start = time.monotonic()
+        hot_until = time.perf_counter() + (self.KEEP_HOT if keep_hot is None else keep_hot)
         next_warn = self.stall
         flight = self.flight
         flight.waiting(what)
         try:
             while True:
-                sleep(tick)
-                if ready():
-                    return
+                if time.perf_counter() < hot_until:
+                    if _look(ready, tick):
+                        return
+                else:
+                    sleep(tick)
+                    if ready():
+                        return
                 self.check()
                 if idle:
                     continue
@@ -124,6 +134,17 @@ def spin_seconds(value):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
         raise ValueError(f"{what} must be a number of seconds in [0, 1] (e.g. 0.001), got {value!r}")
     return float(value)
+
+
+def _look(ready, seconds):
+    """Look at ``ready()`` between yields of the core for up to ``seconds``."""
+    end = time.perf_counter() + seconds
+    while True:
+        if ready():
+            return True
+        if time.perf_counter() >= end:
+            return False
+        os.sched_yield()
 
 
 def _owed(owed):

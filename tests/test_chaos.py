@@ -58,6 +58,9 @@ def _table(res):
 def _soak(hosts, runs, seed, request):
     p, info, res = run_hosts(hosts, "_chaos_mpi.py", str(runs), str(seed), timeout=120 + 60 * runs)
     out = p.stdout + p.stderr
+    if os.environ.get("SYNK_CHAOS_LOG"):          # the whole output, for a post-mortem
+        with open(os.environ["SYNK_CHAOS_LOG"], "w") as fh:
+            fh.write(out)
     if "SYNK-HANG" in out:                 # the hung run, what every rank was doing, the stacks
         runs_seen = [ln for ln in out.splitlines() if "SYNK-RUN" in ln or "chaos run" in ln]
         pytest.fail("a run hung:\n" + "\n".join(runs_seen[-3:]) + "\n" + out[out.find("synkhronos: stall"):][:12000])

@@ -150,7 +150,8 @@ def _mpi_master(spec):
     k0 = sizes[0]
     prefix = segments.new_prefix()
     waiter = spec.waiter
-    waiter.TICK = mpi_world.POLL               # messages from other hosts do not wake a sleeper
+    waiter.TICK = mpi_world.POLL               # messages from other hosts do not wake a sleeper:
+    waiter.KEEP_HOT = mpi_world.KEEP_HOT       # look for them between yields first, then every tick
     host0 = implementation("control", "shm")(prefix, k0 + 1, 0, 0, waiter, create=True, members=range(k0), lead=k0)
     hub = Hub(w, HostView(host0), list(range(1, w.size)))
     waiter.service = hub.service

@@ -15,8 +15,8 @@ from .channel import HostRelay
 from .hosts import worker_config
 from .hub import HostView
 from .requests import Pending, Requests, abandon
-from .world import (ABORT, ARRIVE_T, BYE, CMD, DECIDE, END, ENDED, EXIT, GO, IDLE_AFTER, LOST, POLL, POLL_IDLE,
-                    FLIGHT, READY, REPLY, RESYNC, START, VOTE_T, world)
+from .world import (ABORT, ARRIVE_T, BYE, CMD, DECIDE, END, ENDED, EXIT, GO, IDLE_AFTER, KEEP_HOT, LOST, OP_HOT,
+                    POLL, POLL_IDLE, FLIGHT, READY, REPLY, RESYNC, START, VOTE_T, world)
 from ..host.device import usable_cores
 from ..host.launcher import SubprocessLauncher, worker_argv, worker_environment
 from ..registry import make_device
@@ -37,13 +37,36 @@ def serve_host():
     try:
         while True:
             src, tag, obj = _next(w, (START, EXIT))
-            if tag == EXIT or Agent(w, obj).run() == "exit":
+            if tag == EXIT or _session(w, obj) == "exit":
                 break
             w.isend(None, 0, ENDED)        # after every message of the session: the master drops them up to here
     finally:
         w.isend(None, 0, BYE)
         w.flush()
     sys.exit(0)
+
+
+def _session(w, cfg):
+    """One session of this host, from the master's START to its END (or EXIT)."""
+    # first of all, whatever fails next: every MPI process opens the session's communicator
+    # once per session (MPI pairs them by their order alone: one missing here would pair
+    # every later session's operations with the wrong ones)
+    coll = w.session_comm(lambda: None)
+    try:
+        agent = Agent(w, cfg, coll)
+    except Exception as e:             # (e.g. no room in /dev/shm)
+        coll.Free()
+        return _not_started(w, cfg["first"], e)
+    return agent.run()
+
+
+def _not_started(w, first, e):
+    """The session could not start on this host: the master hears of it as the loss of the
+    host's first rank (and ends the session); the agent waits for that end."""
+    print(f"synkhronos: the session could not start on host {w.host}: {e!r}", file=sys.stderr, flush=True)
+    w.isend((first, w.host, 1, False), 0, LOST)
+    _, tag, _ = _next(w, (END, EXIT))
+    return "exit" if tag == EXIT else "end"
 
 
 def _next(w, tags):
@@ -61,7 +84,7 @@ class Agent:
     """One session on a host other than the master's: its workers, its shared memory, and
     the messages between them and the master."""
 
-    def __init__(self, w, cfg):
+    def __init__(self, w, cfg, coll):
         self.w, self.cfg = w, cfg
         self.k = k = cfg["device"]["local_n"]
         self.first = cfg["first"]
@@ -80,7 +103,12 @@ class Agent:
         self.replied = -1              # the last command every rank of the host answered
         self.req_done = 0
         self.mpi_op = None             # (token, requests.Pending) of the MPI operation in progress
-        self.coll = None               # the session's communicator for collectives
+        self.mpi_since = 0.0           # when it started
+        # until when an answer from the master is awaited (after this host's arrival, vote or
+        # replies): the agent looks for it between yields, not sleeps; once the master's
+        # answer is handed to the ranks they are at work, and they wake the agent
+        self.hot_until = 0.0
+        self.coll = coll               # the session's communicator for collectives
         self.lost_sent = False
 
     def grank(self, slot):
@@ -103,12 +131,14 @@ class Agent:
         self.inflight = 0
         pids = {r: p for r, _h, p in self.launcher.info()}
         self.relay = HostRelay(self.w, self.ctl, self.first, pids)
-        self.coll = self.w.session_comm(lambda: None)   # (a lost rank is reported once the session runs)
         self.w.isend((self.w.host, pids), 0, READY)
 
     def run(self):
         try:
-            self.start()
+            try:
+                self.start()
+            except Exception as e:
+                return _not_started(self.w, self.first, e)
             quiet_since = None
             while True:
                 busy = self.step()
@@ -121,9 +151,12 @@ class Agent:
                 if quiet_since is None:
                     quiet_since = now
                 quiet = now - quiet_since
-                if quiet > self.waiter.spin:     # sleep until a rank of this host posts, or a
-                    # tick passes (MPI messages wake nobody): short while a command may be
-                    # going on, longer once the session has been idle for a while
+                if now < self.hot_until or (self.mpi_op is not None and now - self.mpi_since < OP_HOT):
+                    os.sched_yield()             # MPI messages wake nobody: look again at once
+                else:                            # the ranks of this host are at work (they wake the
+                    # agent when they need it) or nothing is awaited: sleep until a rank posts,
+                    # or a tick passes (short while a command may be going on, longer once the
+                    # session has been idle for a while)
                     self.ctl.sleep(POLL if quiet < IDLE_AFTER else POLL_IDLE)
         finally:
             self.stop()
@@ -137,10 +170,13 @@ class Agent:
             busy = True
             if tag == CMD:
                 self.command(*obj)
+                self.hot_until = 0.0
             elif tag == GO:
                 host.release(obj)
+                self.hot_until = 0.0
             elif tag == DECIDE:
                 host.decide(*obj)
+                self.hot_until = 0.0
             elif tag == ABORT:
                 if obj >= ctl.seq:
                     host.sent_abort = obj
@@ -164,17 +200,20 @@ class Agent:
         if tok > host.sent_arrive:
             host.sent_arrive = tok
             w.isend(tok, 0, ARRIVE_T)
+            self.hot_until = time.perf_counter() + KEEP_HOT
             busy = True
         voted = host.members_voted()
         if voted is not None and voted[0] > host.sent_vote:
             host.sent_vote = voted[0]
             w.isend(voted, 0, VOTE_T)
+            self.hot_until = time.perf_counter() + KEEP_HOT
             busy = True
         if self.mpi_op is None:            # a request of this host's ranks: start it...
             req = self.requests.pending(self.req_done)
             if req is not None:
                 token, r = req
                 self.mpi_op = (token, Pending(self.coll, w.MPI, r, self.buffers))
+                self.mpi_since = time.perf_counter()
                 busy = True
         if self.mpi_op is not None and self.mpi_op[1].test():     # ...and answer once done
             token, op = self.mpi_op
@@ -187,6 +226,7 @@ class Agent:
             w.isend((seq, {self.grank(m): ctl.reply_of(m, seq).to_wire() for m in self.members}), 0, REPLY)
             self.inflight = None
             self.replied = seq
+            self.hot_until = time.perf_counter() + KEEP_HOT     # (the next command, often)
             busy = True
         if not self.lost_sent:
             try:

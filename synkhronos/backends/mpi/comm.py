@@ -4,6 +4,7 @@ ranks of a host (the ``shm`` slots), one MPI collective between hosts on a host 
 import numpy as np
 
 from .requests import Pending, Requests, abandon
+from .world import OP_HOT
 from ..shm import segments as shm
 from ..shm.chunks import chunk_bounds, row_blocks
 from ..shm.slots import RESULT, Slots
@@ -39,6 +40,7 @@ class HierComm:
         self.hbufs = {}       # (key, kind) -> Segment this rank owns (the first rank of the host)
         self.attached = {}    # (key, kind) -> (name, Segment): the current host buffer only
         self.mpi_buffers = {}
+        self.retire = False   # an MPI operation of this rank's host did not end as answered
 
     def accepts(self, verb, dtype, op=None, placement="host"):
         return placement == "host"
@@ -76,11 +78,12 @@ class HierComm:
         host's MPI process (the master runs it itself); every rank gets the answer."""
         token = self._token()
         if self.pos == 0:
+            self.retire = True                       # until answered: see _host_buffer
             if self.w is not None:                   # the master: its host's MPI process
                 op = Pending(self.coll.comm, self.w.MPI, req, self.mpi_buffers)
                 try:                                 # (watching the other hosts meanwhile)
                     self.ctl.waiter.wait(op.test, self.ctl.sleep, owed=lambda: [],
-                                         what="a collective between hosts")
+                                         what="a collective between hosts", keep_hot=OP_HOT)
                 except BaseException:
                     abandon(op)
                     self.coll.abandoned = True
@@ -88,10 +91,12 @@ class HierComm:
                 self.requests.answer(token, op.result)
             else:
                 self.requests.write(token, req)
+                self.ctl.wake([self.ctl.lead])       # the host's MPI process may be asleep
                 self.ctl.waiter.wait(lambda: self.requests.answered(token) or self.ctl.aborted(), self.ctl.sleep,
                                      owed=lambda: [], what="a collective between hosts")
                 if not self.requests.answered(token):
                     raise Aborted("another rank failed during this collective")
+            self.retire = False
         self.ctl.host_barrier()
         return self.requests.answer_obj(token)
 
@@ -101,6 +106,12 @@ class HierComm:
         nbytes = max(64, count * dtype.itemsize)
         name = None
         if self.pos == 0:
+            if self.retire:            # an operation between hosts was given up on: it may
+                self.retire = False    # still write to the host buffers, new ones from now on
+                for seg in self.hbufs.values():
+                    seg.unlink()
+                self.hbufs.clear()
+                self.attached.clear()
             seg = self.hbufs.get((key, kind))
             if seg is None or seg.size < nbytes:
                 if seg is not None:

@@ -64,6 +64,9 @@ class Requests:
         self.seg = None
 
 
+_BLOCK = 2048                   # bytes each host sends of an allgather's object in the first step
+
+
 class Pending:
     """One host's MPI operation between hosts, started without blocking (every host's MPI
     process starts the same operations in the same order, on the session's own
@@ -75,31 +78,41 @@ class Pending:
         self.comm, self.MPI, self.kind = comm, MPI, req[0]
         self.result = None
         self.keep = []                  # buffers MPI uses until the operation completes
-        if self.kind == "allgather":    # Python objects: their sizes, then their bytes
-            self.data = pickle.dumps(req[1], protocol=5)
-            self.sizes = np.zeros(comm.Get_size(), np.int64)
-            self.keep = [self.data, np.array([len(self.data)], np.int64)]
-            self.req = comm.Iallgather([self.keep[1], MPI.INT64_T], [self.sizes, MPI.INT64_T])
+        self.buffers, self.segments = buffers, []    # the host buffers it works on
+
+        def host_array(name, dtype, count):
+            seg = _host_segment(buffers, name)
+            self.segments.append(seg)
+            return seg.array(np.dtype(dtype), (count,))
+        if self.kind == "allgather":    # Python objects: a block of each, then what did not fit
+            data = pickle.dumps(req[1], protocol=5)
+            block = np.zeros(_BLOCK, np.uint8)
+            block[:8].view(np.int64)[0] = len(data)
+            head = data[:_BLOCK - 8]
+            block[8:8 + len(head)] = np.frombuffer(head, np.uint8)
+            self.data, self.blocks = data, np.empty(comm.Get_size() * _BLOCK, np.uint8)
+            self.keep = [block, self.blocks]
+            self.req = comm.Iallgather([block, MPI.BYTE], [self.blocks, MPI.BYTE])
             self.phase = 1
             return
         self.phase = 2
         if self.kind == "allreduce":
             _, name, dtype, count, op = req
             op = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}[op]
-            buf = _host_array(buffers, name, dtype, count)
+            buf = host_array(name, dtype, count)
             self.req = comm.Iallreduce(MPI.IN_PLACE, buf, op=op)
             self.keep = [buf]
         elif self.kind == "bcast":
             _, name, dtype, count = req
-            buf = _host_array(buffers, name, dtype, count)
+            buf = host_array(name, dtype, count)
             self.req = comm.Ibcast(buf, root=0)
             self.keep = [buf]
         elif self.kind == "allgatherv":
             _, name, dtype, counts, out_name = req
             me = comm.Get_rank()
-            out = _host_array(buffers, out_name, dtype, max(1, sum(counts)))
+            out = host_array(out_name, dtype, max(1, sum(counts)))
             displ = [int(x) for x in np.concatenate([[0], np.cumsum(counts)[:-1]])]
-            buf = _host_array(buffers, name, dtype, max(1, counts[me]))[:counts[me]]
+            buf = host_array(name, dtype, max(1, counts[me]))[:counts[me]]
             self.req = comm.Iallgatherv(buf, [out, (list(counts), displ)])
             self.keep = [buf, out]
         else:
@@ -109,18 +122,24 @@ class Pending:
         """Whether the operation is complete (progresses it)."""
         if not self.req.Test():
             return False
-        if self.phase == 1:             # sizes known: now the bytes
-            sizes = [int(x) for x in self.sizes]
-            self.displs = [int(x) for x in np.concatenate([[0], np.cumsum(sizes)[:-1]])]
-            self.recv = bytearray(max(1, sum(sizes)))
-            self.keep.append(self.recv)
-            self.req = self.comm.Iallgatherv([self.data, self.MPI.BYTE],
-                                             [self.recv, (sizes, self.displs), self.MPI.BYTE])
-            self.sizes_list, self.phase = sizes, 2
+        if self.phase == 1:             # every block is here: the objects, if they fitted
+            blocks = self.blocks.reshape(-1, _BLOCK)
+            self.sizes_list = [int(b[:8].view(np.int64)[0]) for b in blocks]
+            rest = [max(0, n - (_BLOCK - 8)) for n in self.sizes_list]
+            if not any(rest):
+                self.result = [pickle.loads(b[8:8 + n].tobytes()) for b, n in zip(blocks, self.sizes_list)]
+                return True
+            self.displs = [int(x) for x in np.concatenate([[0], np.cumsum(rest)[:-1]])]
+            self.recv = bytearray(max(1, sum(rest)))
+            tail = self.data[_BLOCK - 8:]
+            self.keep += [tail, self.recv]
+            self.req = self.comm.Iallgatherv([tail, self.MPI.BYTE], [self.recv, (rest, self.displs), self.MPI.BYTE])
+            self.rest, self.phase = rest, 2
             return self.test()
         if self.kind == "allgather":
-            view = memoryview(self.recv)
-            self.result = [pickle.loads(view[d:d + n]) for d, n in zip(self.displs, self.sizes_list)]
+            view, blocks = memoryview(self.recv), self.blocks.reshape(-1, _BLOCK)
+            self.result = [pickle.loads(b[8:8 + min(n, _BLOCK - 8)].tobytes() + view[d:d + r])
+                           for b, n, d, r in zip(blocks, self.sizes_list, self.displs, self.rest)]
         return True
 
 
@@ -152,13 +171,19 @@ _abandoned = []                 # operations given up on, with their buffers (MP
 
 def abandon(pending):
     """Give up on an operation that may never complete (another host's process is gone or
-    stuck): it is never waited for, and its buffers stay alive."""
+    stuck): it is never waited for, its buffers stay mapped (MPI may still write to them)
+    but their memory is given back, and the host buffers it used are not used again (their
+    owner makes new ones after a collective that failed: ``HierComm``)."""
     _abandoned[:] = [p for p in _abandoned if not p.req.Test()]
     if not pending.req.Test():
         _abandoned.append(pending)
+    for seg in pending.segments:
+        seg.release()
+        if pending.buffers.get(seg.name) is seg:
+            del pending.buffers[seg.name]
 
 
-def _host_array(buffers, name, dtype, count):
+def _host_segment(buffers, name):
     """A host buffer by name (``buffers``: name -> Segment, this process's mappings)."""
     seg = buffers.get(name)
     if seg is None:
@@ -167,4 +192,4 @@ def _host_array(buffers, name, dtype, count):
         for old in [b for b in buffers if b[:b.rindex("x")] == stem]:
             del buffers[old]                 # unmap it: its memory goes back
         seg = buffers[name] = shm.Segment(name)
-    return seg.array(np.dtype(dtype), (count,))
+    return seg

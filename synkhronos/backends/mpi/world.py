@@ -21,6 +21,11 @@ CMD, REPLY, ARRIVE_T, GO, VOTE_T, DECIDE, ABORT, LOST, DATA, START, READY, END, 
 # messages from other hosts wake no sleeper: an MPI process polls every POLL seconds while a
 # command may be going on, every POLL_IDLE once nothing happened for IDLE_AFTER seconds
 POLL, POLL_IDLE, IDLE_AFTER = 0.0002, 0.005, 1.0
+# ... but first, after anything happened, it looks between yields of its core (not sleeps)
+# for KEEP_HOT seconds, and for up to OP_HOT seconds while an MPI operation is in flight (MPI
+# moves its data only while the operation is tested): a message between hosts is then seen
+# within microseconds, and a process that waits for nothing sleeps
+KEEP_HOT, OP_HOT = 0.005, 2.0
 _world = None
 
 

@@ -4,6 +4,7 @@ Every name made by one session starts with that session's random prefix, so that
 or crashed session can remove all of its segments and semaphores by prefix.  When the
 environment variable ``SYNK_PREFIX_LOG`` names a file, every new prefix is appended to it
 (test harnesses use this to check for leaks of their own sessions only)."""
+import gc
 import mmap
 import os
 import re
@@ -66,18 +67,37 @@ class Segment:
     def unlink(self):
         unlink_segment(self.name)
 
+    def release(self):
+        """Give the segment's memory back now, keeping the mapping valid (pages written
+        later come back as new zero pages): for a buffer that an operation given up on may
+        still write to, so that nothing else can use it and its memory is not held."""
+        try:
+            self.mm.madvise(mmap.MADV_REMOVE)
+        except (OSError, ValueError, AttributeError):
+            pass
+
 
 def check_space(nbytes):
     """MemoryError if ``nbytes`` cannot fit in the shared-memory filesystem now (a write
-    past its free space would kill the process with SIGBUS instead)."""
-    try:
-        st = os.statvfs(SHM_DIR)
-    except OSError:
-        return
-    free = st.f_bavail * st.f_frsize
+    past its free space would kill the process with SIGBUS instead).  Short of room, the
+    garbage is collected first: a closed session's segments stay mapped (their memory in
+    use) while unreachable objects still refer to them, e.g. through an exception's
+    traceback."""
+    free = _free()
+    if nbytes > free:
+        gc.collect()
+        free = _free()
     if nbytes > free:
         raise MemoryError(f"cannot allocate {nbytes / 2**20:.1f} MiB of shared memory: only "
                           f"{free / 2**20:.1f} MiB free in {SHM_DIR}")
+
+
+def _free():
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return float("inf")
+    return st.f_bavail * st.f_frsize
 
 
 def unlink_segment(name):
