@@ -23,14 +23,15 @@ this script.
    is also given without the baseline's span.  The numba cache is made warm first by one
    untimed run of each.
 
-Placement.  The simulated hosts share this machine's cores, and the processes that talk
-MPI busy-poll while they wait (MPICH's blocking calls; synkhronos's MPI processes look between
-yields of their core while an answer from another host is due, and sleep otherwise): when two that talk to each other land on the same core, every exchange between
-hosts waits for the scheduler (milliseconds), something real hosts never do.  Where that
-happens is the kernel's choice and tends to hold for a whole program, so small-size results
-are bimodal from run to run (measured on this 2-core machine: synkhronos's 4 KB all_reduce
-took ~1 ms with the master and hB's agent pinned to different cores, 10-15 ms with both
-pinned to the same one).  By default the kernel places everything (as a user of this machine would get
+Placement. The simulated hosts share this machine's cores, and the processes that talk MPI
+busy-poll while they wait (MPICH's blocking calls; synkhronos's MPI processes look between
+yields of their core while an answer from another host is due, and sleep otherwise): when
+two that talk to each other land on the same core, every exchange between hosts waits for
+the scheduler (milliseconds), something real hosts never do. Where that happens is the
+kernel's choice and tends to hold for a whole program, so small-size results are bimodal
+from run to run (measured on this 2-core machine: synkhronos's 4 KB all_reduce took ~1 ms
+with the master and hB's agent pinned to different cores, 10-15 ms with both pinned to
+the same one).  By default the kernel places everything (as a user of this machine would get
 it); ``--pinned`` adds a second set of 2-host runs of 1. and 2. with each host's MPI leader
 on a core of its own, as on real hosts (synkhronos: the master on core 0 and hB's agent on
 core 1, pinned by this script once the session is up, the ranks' workers left free; mpi4py:
