@@ -184,12 +184,13 @@ def c_demo(a):
     import synkhronos as synk
     from synkhronos.extensions import train, updates
     import layers                           # demos/layers.py (pytensor-ml)
+    from losses import picked               # demos/losses.py
     n, plat = a["n"], a["platform"]
     fork(n, plat)
     h = w = a["image"]
     B = a["batch"]
-    # static shapes (one rank's rows): PyTensor's JAX backend needs every shape known when it
-    # compiles (the layers' windows and paddings are built from the input's shape)
+    # one rank's rows as static shapes (the demos themselves compile without them: JAX traces
+    # every shape anyway)
     x = pt.tensor("x", dtype="float32", shape=(B // n, h * w))
     y = pt.tensor("y", dtype="int32", shape=(B // n,))
     if a["model"] == "cnn":
@@ -197,8 +198,7 @@ def c_demo(a):
     else:
         model = layers.resnet(x, h, w)
     logp = pt.special.log_softmax(model.logits, axis=-1)
-    # (the demos' harness indexes logp[arange(batch), y]: a dynamic arange, which JAX cannot compile)
-    loss = -pt.mean(pt.sum(logp * pt.eq(y[:, None], pt.arange(10)[None, :]), axis=1))
+    loss = -pt.mean(picked(logp, y, 10))
     stat_updates = list(getattr(model, "stat_updates", []))
 
     def rule(loss_, params_, **kw):
@@ -289,14 +289,12 @@ def run_allreduce(plat, n_gpus, quick, max_mb):
 
 
 def run_demos(plat, quick):
-    env = {"PYTHONPATH": os.pathsep.join([os.path.join(HERE, "jax_demo_ops")] +
-                                         ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
     batch = 256 if plat == "gpu" else 64
     print("\n== demo models: training step, synkhronos n=1 vs plain PyTensor JAX (same graphs, same device)")
     out = {}
     for model, image in (("cnn", 8), ("resnet", 8)):
         r = child("demo", {"model": model, "n": 1, "platform": plat, "batch": batch, "image": image,
-                           "reps": 5 if quick else 20, "rounds": 2 if quick else 3}, env)
+                           "reps": 5 if quick else 20, "rounds": 2 if quick else 3})
         out[model] = r
         if "error" in r:
             print(f"  {model}: FAILED: {r['error']}")

@@ -13,6 +13,7 @@ import numpy as np
 
 import synkhronos as synk
 
+from losses import picked
 from report import plural
 
 
@@ -43,9 +44,10 @@ class Training:
         stat_updates = list(getattr(model, "stat_updates", []))
         eval_logits = getattr(model, "eval_logits", None)
         logp = pt.special.log_softmax(model.logits, axis=-1)
-        loss = pt.mean(-logp[pt.arange(y.shape[0]), y])
+        classes = int(self.y_tr.max()) + 1
+        loss = pt.mean(-picked(logp, y, classes))
         logp_eval = logp if eval_logits is None else pt.special.log_softmax(eval_logits, axis=-1)
-        nll_eval = -logp_eval[pt.arange(y.shape[0]), y]
+        nll_eval = -picked(logp_eval, y, classes)
         n_correct = pt.sum(pt.eq(pt.argmax(logp_eval, axis=-1), y))     # int64
         print(f"model: {model.description}; {n_params(model)} parameters, {dtype}")
         print(f"training: {args.rule} lr={lr:g}, batch {B} ({B // n} per rank), "

@@ -44,9 +44,11 @@ as they are.
 Backends: the ops run Python code on the host.  PyTensor's default (numba) backend calls
 them from the compiled graph through ``numba.objmode``, registered here with a cache key, so
 graphs holding them are cached on disk like any other; the C and Python backends call
-``perform``.  Backends that compile the whole graph into another framework (``mode="JAX"``,
-PyTorch, MLX) cannot call them: ``synk.function`` refuses such a graph when it is made
-(``check_backend``)."""
+``perform``.  A JAX session (GPUs, ``mode="JAX"``) compiles such a graph as jitted stretches
+between the ops, which move device arrays through the device's collectives
+(``backends/jax/host_ops``).  Other backends that compile the whole graph into another
+framework (``mode="JAX"`` in a CPU session, PyTorch, MLX) cannot call them:
+``synk.function`` refuses such a graph when it is made (``check_backend``)."""
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
@@ -83,8 +85,11 @@ def _acting():
     return None if r is None or r.n == 1 else r
 
 
-def _impl(r, verb, dtype, op=None):
-    return r.comm.pick(verb, dtype, op, r.device.placement)
+def _impl(r, verb, x, op=None):
+    """The comm implementation for ``x``: host arrays go to the host's, device arrays (a
+    graph compiled by PyTensor's JAX backend) to the device's."""
+    placement = "host" if isinstance(x, np.ndarray) else r.device.placement
+    return r.comm.pick(verb, x.dtype, op, placement)
 
 
 def _key(r, verb):
@@ -93,8 +98,8 @@ def _key(r, verb):
 
 def _own(impl, verb, res):
     """``res`` as an array of the caller's own (the comm's buffers serve its next call)."""
-    if verb in getattr(impl, "returns_new", ()):
-        return res
+    if verb in getattr(impl, "returns_new", ()) or not isinstance(res, np.ndarray):
+        return res               # (device arrays are never buffers a comm reuses)
     return np.array(res, copy=True)
 
 
@@ -111,6 +116,7 @@ class CollectiveOp(Op):
 
     __props__ = ()
     view_map = {0: [0]}
+    runs_on_host = True          # backends that compile whole graphs run it between compiled parts
 
     def do_constant_folding(self, fgraph, node):
         return False
@@ -162,7 +168,7 @@ class AllReduce(CollectiveOp):
         r = _acting()
         if r is None:
             return x
-        impl = _impl(r, "all_reduce", x.dtype, self.op)
+        impl = _impl(r, "all_reduce", x, self.op)
         return impl.all_reduce([(_key(r, "all_reduce"), x)], self.op, fence=True, scratch=True, owned=True)[0]
 
     def infer_shape(self, *args):      # (node, shapes); PyTensor < 3.x: (fgraph, node, shapes)
@@ -197,7 +203,7 @@ class AllGather(CollectiveOp):
         r = _acting()
         if r is None:
             return x
-        impl = _impl(r, "all_gatherv", x.dtype)
+        impl = _impl(r, "all_gatherv", x)
         return _own(impl, "all_gatherv", impl.all_gatherv([(_key(r, "all_gatherv"), x)], fence=True)[0])
 
     def pullback(self, inputs, outputs, grads):
@@ -240,7 +246,7 @@ class ReduceScatter(CollectiveOp):
                 raise ValueError(f"reduce_scatter counts {list(counts)} do not fit one rank holding "
                                  f"{x.shape[0]} rows")
             return x
-        impl = _impl(r, "reduce_scatter", x.dtype, self.op)
+        impl = _impl(r, "reduce_scatter", x, self.op)
         res = impl.reduce_scatter([(_key(r, "reduce_scatter"), x)], self.op, fence=True,
                                   counts=None if counts is None else [counts])[0]
         return _own(impl, "reduce_scatter", res)
@@ -281,7 +287,7 @@ class Broadcast(CollectiveOp):
         _check_root(self.root, _rank.current())
         if r is None:
             return x
-        impl = _impl(r, "broadcast", x.dtype)
+        impl = _impl(r, "broadcast", x)
         return _own(impl, "broadcast", impl.broadcast([(_key(r, "broadcast"), x, x.dtype)], self.root,
                                                       fence=True)[0])
 
@@ -314,7 +320,7 @@ class Reduce(CollectiveOp):
         _check_root(self.root, _rank.current())
         if r is None:
             return x
-        impl = _impl(r, "reduce", x.dtype, self.op)
+        impl = _impl(r, "reduce", x, self.op)
         res = impl.reduce([(_key(r, "reduce"), x)], self.op, self.root, fence=True)
         if r.rank != self.root:
             return np.zeros(like.shape, x.dtype)
@@ -347,6 +353,7 @@ class RankInfo(CollectiveOp):
 
     __props__ = ("what",)
     view_map = {}
+    static_value = True          # the same at every call of a rank: compiled backends may inline it
 
     def __init__(self, what):
         if what not in ("rank", "size"):
@@ -441,6 +448,8 @@ def check_backend(mode, device=None):
     """TypeError, saying why, when in-graph collectives cannot run under ``mode`` (a PyTensor
     mode or its name) or on ``device``."""
     from pytensor.compile.mode import get_mode
+    if getattr(device, "runs_host_ops", False):
+        return                   # the device compiles such graphs itself (JAX: in stretches)
     linker = type(get_mode(mode).linker).__name__
     if linker in _UNSUPPORTED_LINKERS:
         raise TypeError(f"this graph holds synkhronos.ops collectives, which call the comm plane from "

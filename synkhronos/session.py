@@ -440,7 +440,7 @@ def get_session(require_distributed=False):
 
 def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
          max_n_var=None, max_dim=None, timeout=None, debug=None, stall=None, mode=None,
-         start_timeout=120.0, spin=None):
+         start_timeout=120.0, spin=None, matmul_precision=None):
     """Start one worker process per extra device; the master process is rank ``master_rank``.
 
     ``n_parallel=None`` uses every usable device (CPU cores here); each process gets its
@@ -458,6 +458,9 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
     compile mode for the ranks, None (numba) or "JAX"; GPUs always use JAX.  ``spin``
     (default: env ``SYNK_SPIN``, else 0.0002): seconds a waiting rank polls before it
     sleeps; longer wakes faster after pauses between calls, at that much CPU per wait.
+    ``matmul_precision`` (JAX ranks; default: JAX's own setting in the master, e.g. env
+    ``JAX_DEFAULT_MATMUL_PRECISION``): the precision of float32 matmuls in every rank,
+    "highest" for full float32 where JAX's default on Ampere/Hopper GPUs is TF32.
     Returns the number of ranks."""
     global _session
     if IN_WORKER:
@@ -469,7 +472,7 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
     spin = spin_seconds(spin)
     if mode is None:
         mode = os.environ.get("SYNK_MODE") or None
-    topology = backends.plan(n_parallel, use_gpu, mode, _close_open_session)
+    topology = backends.plan(n_parallel, use_gpu, mode, _close_open_session, matmul_precision)
     device = topology.device
     if isinstance(master_rank, (bool, np.bool_)) or not isinstance(master_rank, (int, np.integer)) \
             or not 0 <= master_rank < device.n:

@@ -33,6 +33,11 @@ def prefixes():
 BACKEND = os.environ.get("SYNK_MODE") or None
 
 
+def jax_backend():
+    """Whether this run's sessions run PyTensor's JAX backend (the JAX pass)."""
+    return (BACKEND or "").strip().upper() == "JAX"
+
+
 def fork(n_parallel=None, **kw):
     """The one way the functional tests start a session: on the backend under test."""
     return synk.fork(n_parallel, mode=BACKEND, **kw)

@@ -42,8 +42,11 @@ def S():
         f = synk.function([x], [(x.dot(w) * y.sum()).sum(), (T.sum(x, axis=0), "sum")], bcast_inputs=[y],
                           updates=[(w, w + T.mean(x, axis=0))])
         g = synk.function([x], (x.sum() + c.sum(), "sum"))
+        from synkhronos import ops
+        s = ops.all_reduce(T.tanh(x).sum(axis=0), "sum")     # an in-graph collective between two stretches
+        h = synk.function([x], [(T.sum(s * w), None), (T.sum(ops.all_gather(x * s)), None)])
         synk.distribute()
-        yield n, f, g, w, c, x
+        yield n, f, g, w, c, x, h
     finally:
         synk.close()
 
@@ -52,12 +55,12 @@ class TestOneSession:
     """Tests sharing one session of two JAX CPU ranks."""
 
     def test_storage_is_on_the_device_after_compiling(self, S):
-        _, _, _, w, c, _ = S
+        _, _, _, w, c, _, _ = S
         assert _on_device(w) and _on_device(c)
         assert synk.session_info().open
 
     def test_calls_keep_shared_values_on_the_device(self, S):
-        n, f, _, w, _, _ = S
+        n, f, _, w, _, _, _ = S
         X = np.arange(12, dtype="float32").reshape(4, 3)
         Y = np.ones(2, "float32")
         w0 = np.array(synk.get_value(0, w))
@@ -74,7 +77,7 @@ class TestOneSession:
         """Inputs go to the device once, explicitly; outputs come back explicitly; the update
         stays there.  (The master's share runs here, under the guard; the workers are under it
         since they started.)"""
-        _, f, g, w, _, _ = S
+        _, f, g, w, _, _, _ = S
         X = np.ones((6, 3), "float32")
         x_d, y_d = synk.data(X), synk.data(np.ones(2, "float32"))
         f(x_d, y_d)
@@ -89,7 +92,7 @@ class TestOneSession:
         assert _on_device(w)
 
     def test_collectives_keep_values_on_the_device(self, S):
-        n, _, _, w, c, _ = S
+        n, _, _, w, c, _, _ = S
         vals = [np.full(3, r + 1, "float32") for r in range(n)]
         for r in range(n):
             synk.set_value(r, w, vals[r])
@@ -112,10 +115,23 @@ class TestOneSession:
             synk.all_reduce(w, "avg")
         assert _on_device(w) and w.container.storage[0].dtype == np.float32
 
+    def test_in_graph_collectives_under_transfer_guard(self, S):
+        """A graph holding synkhronos.ops compiles in jitted stretches; the values the
+        collectives exchange move explicitly (the workers run under the guard)."""
+        n, _, _, w, _, _, h = S
+        X = np.linspace(-1, 1, 15, dtype="float32").reshape(5, 3)
+        h(X)
+        with jax.transfer_guard("disallow"):
+            got = h(X)
+        s = np.tanh(X).sum(axis=0)
+        W = np.asarray(synk.get_value(0, w))
+        np.testing.assert_allclose(got[0], np.sum(s * W), rtol=1e-5)
+        np.testing.assert_allclose(got[1], np.sum(X * s), rtol=1e-5)
+
     def test_sliced_updates_match_one_piece(self, S):
         """num_slices partial updates (avg weighted by rows) combine on the device to the
         same value as one call."""
-        _, f, _, w, _, _ = S
+        _, f, _, w, _, _, _ = S
         X = np.arange(30, dtype="float32").reshape(10, 3)
         Y = np.ones(2, "float32")
         synk.broadcast(w, np.zeros(3, "float32"))
@@ -125,6 +141,53 @@ class TestOneSession:
         f(X, Y, num_slices=3)
         assert _on_device(w)
         np.testing.assert_allclose(synk.gather(w), one, rtol=1e-6)
+
+
+class _RankPrecision(pytensor.graph.op.Op):
+    """A host op (run between jitted stretches): the JAX matmul precision of the rank
+    running it, as its index in PRECISIONS."""
+    __props__ = ()
+    runs_on_host = True
+
+    def make_node(self):
+        return pytensor.graph.basic.Apply(self, [], [T.lvector()])
+
+    def compute(self):
+        return np.array([PRECISIONS.index(jax.config.jax_default_matmul_precision or "default")], np.int64)
+
+    def perform(self, node, inputs, outputs):
+        outputs[0][0] = self.compute()
+
+
+PRECISIONS = ["default", "high", "highest"]
+
+
+def test_matmul_precision_reaches_every_rank():
+    """synk.fork(matmul_precision=...) sets it in every rank (and JAX's own setting in the
+    master is what the ranks get otherwise); the master's setting comes back at close()."""
+    for asked, env in (("highest", None), (None, "high")):
+        saved = os.environ.get("JAX_DEFAULT_MATMUL_PRECISION")
+        before = jax.config.jax_default_matmul_precision
+        if env:
+            jax.config.update("jax_default_matmul_precision", env)
+        try:
+            n = synk.fork(2, mode="JAX", use_gpu=False, matmul_precision=asked)
+            try:
+                f = synk.function([], (_RankPrecision()(), "gather"))
+                synk.distribute()
+                assert list(f()) == [PRECISIONS.index(asked or env)] * n
+            finally:
+                synk.close()
+            assert jax.config.jax_default_matmul_precision == (env or before)
+        finally:
+            jax.config.update("jax_default_matmul_precision", before)
+            if saved is not None:
+                os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = saved
+        assert jax.config.jax_default_matmul_precision == before
+    with pytest.raises(ValueError, match="matmul_precision must be"):
+        synk.fork(2, mode="JAX", use_gpu=False, matmul_precision="fastest")
+    with pytest.raises(ValueError, match="these ranks run numba"):
+        synk.fork(2, use_gpu=False, matmul_precision="highest")
 
 
 def test_killed_worker_raises_worker_died_without_hanging():

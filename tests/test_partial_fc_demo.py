@@ -1,6 +1,7 @@
 """demos/partial_fc.py, tiny, at 2 ranks: the class-sharded classifier trained with in-graph
 collectives ends where the serial full model ends (float64: to rounding), as a subprocess
-(its own session; the module's leak check covers it)."""
+(its own session; the module's leak check covers it); on numba ranks and on JAX CPU ranks
+(``SYNK_MODE=JAX``: the graph compiles in jitted stretches between its collectives)."""
 import os
 import re
 import subprocess
@@ -12,11 +13,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "demos", "partial_fc.py")
 
 
-def test_partial_fc_matches_serial():
+@pytest.mark.parametrize("backend", ["numba", "JAX"])
+def test_partial_fc_matches_serial(backend):
     pytest.importorskip("sklearn")
+    if backend == "JAX":
+        pytest.importorskip("jax")
     cmd = [sys.executable, DEMO, "--n-parallel", "2", "--steps", "8", "--batch-size", "32",
            "--hidden", "16", "--embed", "8", "--float64"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("SYNK_MODE", None)
+    if backend == "JAX":
+        env["SYNK_MODE"] = "JAX"
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     out = proc.stdout
     assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{out}\n{proc.stderr[-3000:]}"

@@ -84,12 +84,12 @@ def get_n_gpu():
 # ---- choosing -----------------------------------------------------------------------------
 
 
-def plan(n_parallel, use_gpu, mode, close_session):
+def plan(n_parallel, use_gpu, mode, close_session, matmul_precision=None):
     """The topology and device of a new session.  Under ``mpiexec`` the MPI processes other
     than rank 0 become their hosts' agents here and never return.  ``close_session()``
     closes the session (-> whether one was open): run when the master exits or fails."""
     if not mpi_world.launched():
-        return Topology("local", select_device(n_parallel, use_gpu, mode))
+        return Topology("local", select_device(n_parallel, use_gpu, mode, matmul_precision=matmul_precision))
     w = mpi_world.world()
     if w.rank != 0:
         from .mpi.agent import serve_host
@@ -102,7 +102,8 @@ def plan(n_parallel, use_gpu, mode, close_session):
                                   "(use_gpu=False) under mpiexec")
     hosts = mpi_hosts.hosts(n_parallel if n_parallel is None else int(n_parallel))
     sizes = hosts[0]
-    return Topology("mpi", select_device(sum(sizes), False, mode, local_n=sizes[0]), hosts)
+    return Topology("mpi", select_device(sum(sizes), False, mode, local_n=sizes[0],
+                                         matmul_precision=matmul_precision), hosts)
 
 
 # ---- wiring -------------------------------------------------------------------------------

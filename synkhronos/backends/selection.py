@@ -19,12 +19,19 @@ def _count_arg(n_parallel):
     return int(n_parallel)
 
 
-def select_device(n_parallel, use_gpu, mode=None, local_n=None):
+PRECISIONS = ("default", "high", "highest", "bfloat16", "tensorfloat32", "float32")
+
+
+def select_device(n_parallel, use_gpu, mode=None, local_n=None, matmul_precision=None):
     """Pick the device and the number of ranks, validating the request in the master.
 
     ``mode``: PyTensor's compile mode for the ranks; None is numba on CPU cores, "JAX"
-    runs PyTensor's JAX backend (on the CPU unless GPUs are used)."""
+    runs PyTensor's JAX backend (on the CPU unless GPUs are used).  ``matmul_precision``:
+    JAX's float32 matmul precision in every rank (JAX ranks only)."""
     n_parallel = _count_arg(n_parallel)
+    if matmul_precision is not None and matmul_precision not in PRECISIONS:
+        raise ValueError(f"matmul_precision must be None (JAX's own setting) or one of {list(PRECISIONS)}, "
+                         f"got {matmul_precision!r}")
     if mode is not None and (not isinstance(mode, str) or mode.upper() not in ("JAX", "NUMBA")):
         raise ValueError(f"mode must be None, 'NUMBA' or 'JAX', got {mode!r}")
     jax_mode = mode is not None and mode.upper() == "JAX"
@@ -34,17 +41,23 @@ def select_device(n_parallel, use_gpu, mode=None, local_n=None):
         if mode is not None and not jax_mode:
             raise ValueError(f"use_gpu=True runs PyTensor's JAX backend on the GPUs; mode={mode!r} cannot "
                              "run there (leave mode unset or use 'JAX')")
-        return _gpu_device(n_parallel)
+        return _gpu_device(n_parallel, matmul_precision)
+    if matmul_precision is not None and not jax_mode:
+        raise ValueError(f"matmul_precision={matmul_precision!r} sets JAX's matmul precision; these ranks run "
+                         "numba (use mode='JAX' or GPUs, or leave it unset)")
     if jax_mode and not host_gpus.jax_installed():
         raise RuntimeError("mode='JAX' runs PyTensor's JAX backend, but JAX is not installed: "
                            "pip install 'synkhronos[jax]' (or 'synkhronos[gpu]' for GPUs)")
     cls = implementation("device", "jax" if jax_mode else "cpu")
     if n_parallel is None:
         n_parallel = usable_cores()
-    return cls(n_parallel) if local_n is None else cls(n_parallel, local_n=local_n)
+    kw = {} if local_n is None else {"local_n": local_n}
+    if jax_mode:
+        kw["matmul_precision"] = matmul_precision
+    return cls(n_parallel, **kw)
 
 
-def _gpu_device(n_parallel):
+def _gpu_device(n_parallel, matmul_precision=None):
     """The GPU device for ``n_parallel`` ranks (one GPU each), or an error saying what is
     missing and how to get it."""
     gpus = host_gpus.visible_gpus()
@@ -78,4 +91,5 @@ def _gpu_device(n_parallel):
                              f"{limited}). "
                              f"Use n_parallel <= {len(gpus)}, or use_gpu=False for CPU ranks.")
         chosen = gpus[:n]
-    return implementation("device", "jax")(len(chosen), platform="gpu", gpus=chosen, visible=gpus)
+    return implementation("device", "jax")(len(chosen), platform="gpu", gpus=chosen, visible=gpus,
+                                           matmul_precision=matmul_precision)

@@ -104,13 +104,14 @@ class JaxDevice:
 
     kind = "jax"
     placement = "device"
+    runs_host_ops = True        # graphs holding in-graph collectives compile in stretches (host_ops)
 
     @staticmethod
     def count():
         return usable_cores()
 
     def __init__(self, n, platform="cpu", gpus=None, visible=None, threads=None, mem=None, xla=None,
-                 floatX=None, why_staged=None, local_n=None):
+                 floatX=None, why_staged=None, local_n=None, matmul_precision=None):
         self.n = n
         self.local_n = local_n or n          # the ranks that share this host's cores
         if platform not in ("cpu", "gpu"):
@@ -124,6 +125,7 @@ class JaxDevice:
         self.xla = xla                     # None, or how processes reach jax.distributed
         self.floatX = floatX
         self.why_staged = why_staged       # why collectives of device arrays go through the host
+        self.matmul_precision = matmul_precision    # None: the master's JAX setting (in plan_comm)
         self.master_rank = None
         self.alive = None
         self._limits = None
@@ -132,7 +134,8 @@ class JaxDevice:
     def config(self):
         return {"kind": self.kind, "platform": self.platform, "gpus": self.gpus, "visible": self.visible,
                 "threads": self.threads, "mem": self.mem, "xla": self.xla, "floatX": self.floatX,
-                "why_staged": self.why_staged, "local_n": self.local_n}
+                "why_staged": self.why_staged, "local_n": self.local_n,
+                "matmul_precision": self.matmul_precision}
 
     # ---- the session's collectives (decided in the master, before workers start) -------------
     def plan_comm(self, master_rank, alive=None, timeout=None):
@@ -147,6 +150,8 @@ class JaxDevice:
             self.floatX = pytensor.config.floatX
         except Exception:
             pass
+        if self.matmul_precision is None:      # JAX's own setting in the master, for every rank
+            self.matmul_precision = runtime.current_precision()
         want = os.environ.get("SYNK_JAX_COMM", "").strip().lower() or None
         if want not in (None, "xla", "staged"):
             raise ValueError(f"SYNK_JAX_COMM={want!r} must be 'xla' or 'staged'")
@@ -213,13 +218,15 @@ class JaxDevice:
             gpu = self.visible.index(self.gpus[rank]) if self.gpus[rank] in self.visible else self.gpus[rank]
             if runtime.jax_started():
                 runtime.warn_started_master(self.gpus[rank])
-        runtime.configure(self.platform, gpu, gloo=self.xla is not None)
+        self._saved_precision = runtime.current_precision()
+        runtime.configure(self.platform, gpu, gloo=self.xla is not None, precision=self.matmul_precision)
         runtime.close_before_jax_exits(close_session)
         if self.xla is not None:
             runtime.local.alive = self.alive
             distributed.Distributed(self.xla["address"], self.n, self.process_id(rank), self.xla.get("timeout")).start()
 
     def release_master(self):
+        runtime.set_precision(getattr(self, "_saved_precision", None))
         distributed.stop_distributed()
         runtime.local.alive = None
         if self._limits is not None:
@@ -232,7 +239,7 @@ class JaxDevice:
             import pytensor
             if pytensor.config.floatX != self.floatX:      # JAX's x64 mode follows floatX
                 pytensor.config.floatX = self.floatX
-        runtime.configure(self.platform, None, gloo=self.xla is not None)
+        runtime.configure(self.platform, None, gloo=self.xla is not None, precision=self.matmul_precision)
         if self.xla is not None:
             master_pid = self.xla["master_pid"]
 
@@ -257,10 +264,15 @@ class JaxDevice:
             raise ValueError(f"this session runs PyTensor's JAX backend (synk.fork(mode='JAX') or GPUs); "
                              f"functions compile with mode='JAX', got mode={mode!r}")
         runtime.ensure()
+        from .host_ops import holds_host_ops, stretched
         from .ops import declared
 
+        outputs = declared(outputs)
+        given = list(givens.values()) if isinstance(givens, dict) else [v for _, v in (givens or [])]
+        if holds_host_ops((list(outputs) if isinstance(outputs, list) else [outputs]) + given):
+            mode = stretched(mode)          # in-graph collectives: jitted stretches between them
         with compiling():
-            fn = pytensor.function(inputs, declared(outputs), givens=givens, mode=mode, **kwargs)
+            fn = pytensor.function(inputs, outputs, givens=givens, mode=mode, **kwargs)
         return self.adopt(fn)
 
     def adopt(self, fn):
@@ -325,7 +337,8 @@ class JaxDevice:
     def describe(self):
         if self.platform == "gpu":
             comm = "NCCL (XLA collectives)" if self.xla else "host-staged collectives"
-            return f"{self.n} GPU rank(s) (GPU {', '.join(self.gpus)}), PyTensor JAX backend, {comm}"
+            return (f"{self.n} GPU rank(s) (GPU {', '.join(self.gpus)}), PyTensor JAX backend, {comm}"
+                    f"{runtime.precision_note(self.matmul_precision)}")
         comm = "XLA gloo collectives" if self.xla else "shared-memory collectives"
         return (f"{self.n} JAX CPU rank(s) on {self.cores} usable cores, {self.threads} thread(s) each, "
                 f"{comm}")

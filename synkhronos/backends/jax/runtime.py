@@ -32,12 +32,49 @@ def jax_started():
         return True
 
 
-def configure(platform, gpu=None, gloo=False):
-    """JAX's configuration for this process, before its backends start (later: no effect).
+def current_precision():
+    """JAX's float32 matmul precision in this process (None: JAX's default), without
+    importing JAX when it is not imported yet (then: its environment variable)."""
+    if "jax" not in sys.modules:
+        import os
+        return os.environ.get("JAX_DEFAULT_MATMUL_PRECISION") or None
+    import jax
+    return jax.config.jax_default_matmul_precision or None
+
+
+def set_precision(precision):
+    if "jax" in sys.modules or precision is not None:
+        import jax
+        jax.config.update("jax_default_matmul_precision", precision)
+
+
+def precision_note(precision):
+    """For the fork banner: what float32 matmuls are on this process's GPU."""
+    if precision not in (None, "default", "bfloat16", "tensorfloat32"):
+        return f", float32 matmuls at precision {precision!r}"
+    try:
+        cc = float(getattr(ensure(), "compute_capability", 0) or 0)
+    except Exception:
+        cc = 0.0
+    if precision == "bfloat16":
+        return ", float32 matmuls in bfloat16 (matmul_precision='bfloat16')"
+    if cc >= 8.0 or precision == "tensorfloat32":
+        return (", float32 matmuls run as TF32 (JAX's default on this GPU; "
+                "synk.fork(matmul_precision='highest') for full float32)")
+    return ""
+
+
+def configure(platform, gpu=None, gloo=False, precision=None):
+    """JAX's configuration for this process, before its backends start (later: no effect
+    but for the matmul precision, which applies to later compiles).
     PyTensor's JAX backend sets JAX's x64 mode from ``floatX`` when it is first imported:
     imported here, so that every process has the same mode before its first array."""
     import jax
     import pytensor.link.jax.dispatch  # noqa: F401
+    from . import conversions
+    conversions.register()
+    if precision is not None:
+        jax.config.update("jax_default_matmul_precision", precision)
     if jax_started():
         return
     jax.config.update("jax_platforms", "cpu" if platform == "cpu" else "cuda,cpu")
