@@ -71,3 +71,30 @@ def test_max_pooling_layer_compiles_on_jax():
     g = pytensor.grad((y ** 2).sum(), x)
     fj, fp = both([x], [y, g])
     check(fj, fp, np.random.default_rng(0).standard_normal((2, 6, 4, 3)))
+
+
+def test_float32_session_prints_no_jax_warning():
+    """floatX=float32 leaves JAX's x64 mode off; PyTensor's float64 accumulators made every
+    trace warn ("Explicitly requested dtype float64 ...").  The intro example's graph, on JAX
+    CPU ranks and in plain PyTensor JAX, with every warning an error: none."""
+    import os
+    import subprocess
+    import sys
+    prog = ("import numpy as np, pytensor, pytensor.tensor as T, synkhronos as synk\n"
+            "synk.fork(2, mode='JAX', use_gpu=False)\n"
+            "x, y = T.matrix('x'), T.matrix('y')\n"
+            "f = synk.function([x], [T.mean(x.dot(y), axis=0), (T.sum(x), 'sum'), (T.prod(x, axis=1), 'gather')],"
+            " bcast_inputs=[y])\n"
+            "synk.distribute()\n"
+            "X, Y = np.ones((10, 3), 'float32'), np.ones((3, 4), 'float32')\n"
+            "m, s, p = f(X, Y)\n"
+            "assert m.dtype == np.float32 and float(s) == 30.0 and p.shape == (10,), (m, s, p)\n"
+            "assert np.allclose(f.as_theano(X, Y)[0], m)\n"
+            "synk.close()\n"
+            "print('ok')\n")
+    env = dict(os.environ, PYTENSOR_FLAGS="floatX=float32")
+    env.pop("SYNK_MODE", None)
+    proc = subprocess.run([sys.executable, "-W", "error", "-c", prog], capture_output=True, text=True,
+                          timeout=240, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr[-3000:]
+    assert "Warning" not in proc.stderr, proc.stderr[-3000:]
