@@ -1,91 +1,97 @@
-"""GPU ranks (skipped where no GPU can be used: ``synk.get_n_gpu() == 0``).  Run by
-``benchmarks/gpu_check.sh`` on a GPU machine: one GPU rank (values stay in GPU memory, the
-hot path moves nothing implicitly), two ranks on one GPU (NCCL refuses that: collectives go
-through the host, with one warning saying why), and with two GPUs or more XLA's collectives
-(NCCL) against numpy and a worker killed inside one.  Not verified on a GPU yet."""
+"""GPU ranks, each scenario in a fresh master process (``tests/_gpu_script.py``): one GPU
+rank (values stay in GPU memory, the hot path moves nothing implicitly), two ranks on one
+GPU (NCCL refuses that: collectives go through the host, with one warning saying why),
+in-graph collectives in a JAX-compiled graph, the matmul precision (TF32 said in the
+banner; ``matmul_precision="highest"`` gives float32 results), and with two GPUs or more
+XLA's collectives (NCCL) against numpy and a worker killed inside one.  Run by
+``benchmarks/gpu_check.sh`` on a GPU machine; skipped where no GPU can be used.  The same
+scenarios run on JAX CPU ranks everywhere (``SYNK_GPU_SCRIPT_CPU=1``), so that the script
+a GPU machine runs is known to work."""
+import json
 import os
+import subprocess
+import sys
 
-import numpy as np
 import pytest
-import pytensor
-import pytensor.tensor as T
 
 import synkhronos as synk
 
 N_GPU = synk.get_n_gpu()
-pytestmark = pytest.mark.skipif(N_GPU == 0, reason="no usable GPU (needs a GPU and the gpu extra)")
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_gpu_script.py")
+needs_gpu = pytest.mark.skipif(N_GPU == 0, reason="no usable GPU (needs a GPU and the gpu extra)")
+SCENARIOS = ["one_rank", "two_on_one", "in_graph", "precision"]
 
 
-def _platform(var):
-    import jax
-    value = var.container.storage[0]
-    assert isinstance(value, jax.Array)
-    return next(iter(value.devices())).platform
+def run(scenario, cpu=False, timeout=300):
+    pytest.importorskip("jax")
+    env = dict(os.environ)
+    env.pop("SYNK_MODE", None)
+    env.pop("SYNK_GPUS", None)
+    if cpu:
+        env["SYNK_GPU_SCRIPT_CPU"] = "1"
+    p = subprocess.run([sys.executable, SCRIPT, scenario], capture_output=True, text=True, timeout=timeout,
+                       env=env)
+    assert p.returncode == 0 and "DONE" in p.stdout, (
+        f"{scenario} exited {p.returncode}\n--- stdout\n{p.stdout[-3000:]}\n--- stderr\n{p.stderr[-5000:]}")
+    res = [json.loads(ln[len("RESULT "):]) for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    return res[-1], p.stdout, p.stderr
 
 
-def _graph():
-    x = T.matrix("x", dtype="float32")
-    w = pytensor.shared(np.ones(3, "float32"), name="w")
-    f = synk.function([x], [(x.dot(w).sum(), "sum")], updates=[(w, w + T.mean(x, axis=0))])
-    return f, w
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_scenarios_on_jax_cpu_ranks(scenario):
+    res, out, err = run(scenario, cpu=True)
+    assert "Warning" not in err, err[-3000:]
+    if "platform" in res:
+        assert res["platform"] == "cpu"
 
 
+@needs_gpu
 def test_one_gpu_rank_keeps_values_on_the_gpu():
-    import jax
-    synk.fork(1, use_gpu=True)
-    try:
-        f, w = _graph()
-        synk.distribute()
-        X = np.ones((4, 3), "float32")
-        xd = synk.data(X)
-        f(xd)
-        assert _platform(w) == "gpu"
-        with jax.transfer_guard("disallow"):
-            out = f(xd)
-            synk.all_reduce(w, "sum")
-        assert out[0].dtype == np.float32 and _platform(w) == "gpu"
-        np.testing.assert_allclose(synk.get_value(0, w), 3.0)
-    finally:
-        synk.close()
+    res, _, err = run("one_rank")
+    assert res["platform"] == "gpu"
+    assert "Warning" not in err, err[-3000:]
 
 
-def test_two_ranks_on_one_gpu_go_through_the_host(monkeypatch, capfd):
-    monkeypatch.setenv("SYNK_GPUS", "0,0")
-    synk.fork(use_gpu=True)
-    try:
-        f, w = _graph()
-        synk.distribute()
-        for r in range(2):
-            synk.set_value(r, w, np.full(3, r + 1, "float32"))
-        synk.all_reduce(w, "sum")
-        synk.all_reduce(w, "avg")
-        np.testing.assert_allclose(synk.gather(w), 3.0)
-        assert _platform(w) == "gpu"
-        err = capfd.readouterr().err
-        assert err.count("not NCCL") == 1 and "share a GPU" in err
-    finally:
-        synk.close()
+@needs_gpu
+def test_two_ranks_on_one_gpu_go_through_the_host():
+    res, _, err = run("two_on_one")
+    assert res["platform"] == "gpu"
+    assert err.count("not NCCL") == 1 and "share a GPU" in err, err[-3000:]
 
 
+@needs_gpu
+def test_in_graph_collectives_on_gpus():
+    res, _, _ = run("in_graph")
+    assert res["n"] == 2
+
+
+@needs_gpu
+def test_precision_said_and_set():
+    res, out, _ = run("precision")
+    assert "float32 matmuls at precision 'highest'" in out
+    assert res["max_rel_error"] < 1e-5
+
+
+@needs_gpu
 @pytest.mark.skipif(N_GPU < 2, reason="XLA's collectives (NCCL) need two GPUs")
 def test_nccl_collectives_against_numpy():
-    from test_jax_xla_comm import run
-    res = run("values", 2, env={"SYNK_XLA_TEST_GPU": "1"})
+    from test_jax_xla_comm import run as run_xla
+    res = run_xla("values", 2, env={"SYNK_XLA_TEST_GPU": "1"})
     assert res["checked"] == 40 and res["picked"]["all_reduce float32 sum"] == "xla"
 
 
+@needs_gpu
 @pytest.mark.skipif(N_GPU < 2, reason="XLA's collectives (NCCL) need two GPUs")
 def test_nccl_worker_killed_inside_a_collective():
-    from test_jax_xla_comm import run
-    res = run("kill_in_collective", 2, timeout=120, env={"SYNK_XLA_TEST_GPU": "1"})
+    from test_jax_xla_comm import run as run_xla
+    res = run_xla("kill_in_collective", 2, timeout=120, env={"SYNK_XLA_TEST_GPU": "1"})
     assert res["error"] == "WorkerDied"
 
 
+@needs_gpu
 def test_gpu_count_matches_jax():
     """The count read from the driver (no CUDA in this process) against JAX's own, in a
     separate process."""
-    import subprocess
-    import sys
     out = subprocess.run([sys.executable, "-c", "import jax; print(len(jax.devices('gpu')))"],
                          capture_output=True, text=True, env=dict(os.environ), timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

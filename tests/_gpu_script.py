@@ -1,0 +1,130 @@
+"""Scenarios of GPU ranks, each run as its own master process by tests/test_jax_gpu.py (a
+pytest process that ran other JAX tests has JAX started already, which changes what a
+session can do on a GPU: the master cannot pin itself to its GPU, warnings were printed
+before).
+
+    python tests/_gpu_script.py SCENARIO      (SYNK_GPU_SCRIPT_CPU=1: on JAX CPU ranks instead,
+                                               to check the scenarios where no GPU is at hand)
+
+Prints ``RESULT <json>`` lines and ``DONE``; exits 0 when the scenario's checks passed."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytensor
+import pytensor.tensor as T
+
+import synkhronos as synk
+
+GPU = os.environ.get("SYNK_GPU_SCRIPT_CPU") != "1"
+FORK = dict(use_gpu=True) if GPU else dict(use_gpu=False, mode="JAX")
+
+
+def result(**kw):
+    print("RESULT " + json.dumps(kw), flush=True)
+
+
+def platform(var):
+    import jax
+    value = var.container.storage[0]
+    assert isinstance(value, jax.Array), type(value)
+    return next(iter(value.devices())).platform
+
+
+def graph():
+    x = T.matrix("x", dtype="float32")
+    w = pytensor.shared(np.ones(3, "float32"), name="w")
+    f = synk.function([x], [(x.dot(w).sum(), "sum")], updates=[(w, w + T.mean(x, axis=0))])
+    return f, w
+
+
+def one_rank():
+    """One GPU rank: values stay in GPU memory, the hot path moves nothing implicitly."""
+    import jax
+    synk.fork(1, **FORK)
+    try:
+        f, w = graph()
+        synk.distribute()
+        xd = synk.data(np.ones((4, 3), "float32"))
+        f(xd)
+        with jax.transfer_guard("disallow"):
+            out = f(xd)
+            synk.all_reduce(w, "sum")
+        assert out[0].dtype == np.float32
+        np.testing.assert_allclose(synk.get_value(0, w), 3.0)
+        result(platform=platform(w))
+    finally:
+        synk.close()
+
+
+def two_on_one():
+    """Two ranks sharing GPU 0: collectives through the host, said once (SYNK_GPUS=0,0)."""
+    if GPU:
+        os.environ["SYNK_GPUS"] = "0,0"
+    synk.fork(2, **FORK)
+    try:
+        f, w = graph()
+        synk.distribute()
+        for r in range(2):
+            synk.set_value(r, w, np.full(3, r + 1, "float32"))
+        synk.all_reduce(w, "sum")
+        synk.all_reduce(w, "avg")
+        np.testing.assert_allclose(synk.gather(w), 3.0)
+        result(platform=platform(w))
+    finally:
+        synk.close()
+
+
+def in_graph():
+    """In-graph collectives (synkhronos.ops) in a graph PyTensor's JAX backend compiles:
+    values and gradients against the serial computation on the whole batch."""
+    from synkhronos import ops
+    if GPU and synk.get_n_gpu() < 2:
+        os.environ["SYNK_GPUS"] = "0,0"          # (one GPU: two ranks share it)
+    n = synk.fork(2, **FORK)
+    try:
+        x = T.matrix("x")
+        w = pytensor.shared(np.linspace(0.5, 1.5, 3), name="w")
+        s = ops.all_reduce(T.tanh(x * w).sum(axis=0), "sum")          # over every rank's rows
+        cost = T.sum(s ** 2) + T.sum(ops.all_gather(x * s) ** 2)
+        g = T.grad(cost, w)
+        f = synk.function([x], [(cost, None), (g, "sum")])
+        synk.distribute()
+        X = np.random.default_rng(0).standard_normal((7, 3))
+        got_cost, got_g = f(X)
+        xs = T.matrix("xs")
+        S = T.tanh(xs * w).sum(axis=0)
+        ref_cost = (T.sum(S ** 2) + T.sum((xs * S) ** 2))
+        # every rank's cost holds the whole sum of squares; the gradient summed over ranks
+        ref = pytensor.function([xs], [ref_cost, n * T.grad(ref_cost, w)], mode="FAST_COMPILE")(X)
+        np.testing.assert_allclose(got_cost, ref[0], rtol=1e-9)
+        np.testing.assert_allclose(got_g, ref[1], rtol=1e-9)
+        result(n=n, cost=float(got_cost))
+    finally:
+        synk.close()
+
+
+def precision():
+    """The banner says what float32 matmuls are; matmul_precision reaches every rank."""
+    n = synk.fork(1 if GPU else 2, matmul_precision="highest", **FORK)
+    try:
+        x = T.matrix("x", dtype="float32")
+        w = pytensor.shared(np.random.default_rng(1).standard_normal((64, 64)).astype("float32"), name="w")
+        f = synk.function([x], (x.dot(w), "gather"))
+        synk.distribute()
+        X = np.random.default_rng(2).standard_normal((8 * n, 64)).astype("float32")
+        got = f(X)
+        ref = X.astype(np.float64) @ w.get_value().astype(np.float64)
+        err = float(np.max(np.abs(got - ref) / (np.abs(ref) + 1)))
+        assert err < 1e-5, err          # TF32 would be ~1e-3
+        result(n=n, max_rel_error=err)
+    finally:
+        synk.close()
+
+
+SCENARIOS = {f.__name__: f for f in (one_rank, two_on_one, in_graph, precision)}
+
+if __name__ == "__main__":
+    SCENARIOS[sys.argv[1]]()
+    print("DONE", flush=True)
