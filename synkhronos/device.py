@@ -66,9 +66,16 @@ class Device(Protocol):
         A host device returns ``arr`` itself (no copy: a caller that keeps it keeps the
         memory)."""
 
+    def call_inputs(self, arrays: Sequence) -> list:
+        """A call's inputs on this device, like ``to_device`` each, but moved together and
+        without waiting: the host memory they came from stays untouched until the call's
+        ``wait``, which also waits for these transfers (no synchronisation a plain call
+        does not have)."""
+
     def wait(self, arrays: Sequence) -> None:
-        """Block until ``arrays`` are computed; raises here if their computation failed (a
-        device that computes asynchronously), before anything is kept or sent."""
+        """Block until ``arrays`` are computed, and the transfers of ``call_inputs`` since the
+        last wait are done; raises here if their computation failed (a device that computes
+        asynchronously), before anything is kept or sent."""
 
     def explain(self, exc: BaseException, rank: int, what: str, inputs: Sequence) -> Optional[BaseException]:
         """A clearer exception for ``exc`` (raised by this device while rank ``rank``

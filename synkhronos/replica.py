@@ -64,10 +64,12 @@ class Replica:
         if rows == 0:
             return None
         try:
-            bcast = _on(device, bcast)          # to the device once per call (rows: just this rank's)
-            if num_slices <= 1 or rows is None:
-                outs = self._call(_on(device, scat), bcast, None if sel_idx is None else device.to_device(sel_idx))
+            if num_slices <= 1 or rows is None:     # every input to the device at once (rows: this rank's)
+                moved = device.call_inputs(list(scat) + list(bcast) + ([] if sel_idx is None else [sel_idx]))
+                k = len(scat)
+                outs = self._call(moved[:k], moved[k:k + len(bcast)], None if sel_idx is None else moved[-1])
             else:
+                bcast = device.call_inputs(bcast)
                 outs = self._sliced(scat, bcast, sel_idx, rows, num_slices, device)
             device.wait(outs)
         except Exception as e:
@@ -118,8 +120,8 @@ class Replica:
     def _sliced(self, scat, bcast, sel_idx, rows, num_slices, device):
         parts, weights = [], []
         for pa, pb in shards.pieces(rows, num_slices):
-            s = _on(device, [x[pa:pb] for x in scat])
-            parts.append(self._call(s, bcast, None if sel_idx is None else device.to_device(sel_idx[pa:pb])))
+            s = device.call_inputs([x[pa:pb] for x in scat] + ([] if sel_idx is None else [sel_idx[pa:pb]]))
+            parts.append(self._call(s[:len(scat)], bcast, None if sel_idx is None else s[-1]))
             weights.append(pb - pa)
         out = []
         for i, mode in enumerate(self.modes):             # outputs: combined on the host
@@ -129,10 +131,6 @@ class Replica:
             vals = [p[i] for p in parts]
             out.append(vals[-1] if mode is None else device.combine(mode, vals, weights))
         return out
-
-
-def _on(device, arrays):
-    return [device.to_device(a) for a in arrays]
 
 
 @functools.lru_cache(maxsize=None)

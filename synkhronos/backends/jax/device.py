@@ -36,7 +36,7 @@ import re
 import numpy as np
 
 from . import distributed, runtime
-from .transfers import is_device_array, to_device, to_host
+from .transfers import is_device_array, to_device, to_devices, to_host
 from ..host.device import THREAD_VARS, ThreadLimits, restore_env, usable_cores
 from ...compiling import compiling
 from ...errors import DeviceMemoryError, MasterDied
@@ -130,6 +130,7 @@ class JaxDevice:
         self.alive = None
         self._limits = None
         self._saved_env = None
+        self._inflight = []                # call inputs on their way to the GPU (call_inputs)
 
     def config(self):
         return {"kind": self.kind, "platform": self.platform, "gpus": self.gpus, "visible": self.visible,
@@ -301,6 +302,12 @@ class JaxDevice:
     def to_device(self, arr):
         return to_device(arr)
 
+    def call_inputs(self, arrays):
+        out = to_devices(arrays)
+        if runtime.local.gpu:
+            self._inflight.extend(out)     # (waited for with the call's outputs)
+        return out
+
     def combine(self, mode, parts, weights=None):
         if mode is None or len(parts) == 1:
             return parts[-1] if mode is None else parts[0]
@@ -313,7 +320,9 @@ class JaxDevice:
 
     def wait(self, arrays):
         import jax
-        jax.block_until_ready(arrays)     # an XLA error surfaces here (reading a failed buffer aborts)
+        inflight, self._inflight = self._inflight, []
+        jax.block_until_ready(list(arrays) + inflight)   # an XLA error surfaces here (reading a failed
+        #                                                   buffer aborts)
 
     def explain(self, exc, rank, what, inputs):
         """XLA's RESOURCE_EXHAUSTED becomes ``DeviceMemoryError`` naming the rank, its

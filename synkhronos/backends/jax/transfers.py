@@ -36,15 +36,22 @@ def _fast_put_impl():
 
     avals = {}
 
-    def put(x, sharding, dev):
+    def aval(x):
         key = (x.shape, x.dtype)
-        aval = avals.get(key)
-        if aval is None:
+        a = avals.get(key)
+        if a is None:
             if len(avals) > 256:
                 avals.clear()
-            aval = avals[key] = aval_of(x.shape, x.dtype)
+            a = avals[key] = aval_of(x.shape, x.dtype)
+        return a
+
+    def put(x, sharding, dev):
         with scope():
-            return bdp(aval, sharding, [x], [dev], True)
+            return bdp(aval(x), sharding, [x], [dev], True)
+
+    def put_many(xs, sharding, dev):
+        with scope():
+            return [bdp(aval(x), sharding, [x], [dev], True) for x in xs]
     try:
         import jax
         probe = np.zeros(2, np.float32)
@@ -56,6 +63,7 @@ def _fast_put_impl():
     except Exception:
         return None
     put.canon = canon
+    put.many = put_many
     return put
 
 
@@ -75,10 +83,33 @@ def is_device_array(x):
     return isinstance(x, jax.Array)
 
 
-def to_device(arr):
+def to_devices(arrays):
+    """``to_device`` of each of ``arrays``, in one explicit transfer, without waiting on a
+    GPU for the copies to be done: the caller waits (see ``JaxDevice.call_inputs``)."""
+    import jax
+    put = _fast_put()
+    if put is None or any(isinstance(a, jax.Array) for a in arrays):
+        return [to_device(a, wait=False) for a in arrays]
+    dev = ensure()
+    return put.many([_host_copy(np.asarray(a), put) for a in arrays], local.sharding, dev)
+
+
+def _host_copy(x, put):
+    """What goes to the device for host array ``x``: JAX's dtype (x64 mode), and on the CPU a
+    private copy (JAX's CPU client uses 64-byte aligned memory in place: small arrays get
+    numpy's copy, large ones an aligned one, so that it is used in place, one copy in all)."""
+    canon = put.canon(x.dtype)
+    if canon != x.dtype:
+        x = x.astype(canon)
+    if not local.gpu:
+        return np.array(x, copy=True, order="C") if x.nbytes < (256 << 10) else _aligned_copy(x)
+    return x if x.flags.c_contiguous else np.ascontiguousarray(x)
+
+
+def to_device(arr, wait=True):
     """``arr`` as an array of this process's device.  A JAX array already there is returned
     as it is; host memory is copied (the device array never aliases it: shared memory is
-    reused by the next call)."""
+    reused by the next call).  On a GPU the copy is waited for unless ``wait`` is false."""
     import jax
     dev = ensure()
     if isinstance(arr, jax.Array):
@@ -90,18 +121,13 @@ def to_device(arr):
         return jax.device_put(arr, dev)
     x = np.asarray(arr)
     put = _fast_put()
-    if put is not None:
-        canon = put.canon(x.dtype)
-        if canon != x.dtype:
-            x = x.astype(canon)
-    if not local.gpu:
-        # the CPU client would use 64-byte aligned memory in place: give it a private copy
-        # (small: numpy's own; large: aligned, so that it is used in place, one copy in all)
-        x = np.array(x, copy=True, order="C") if x.nbytes < (256 << 10) else _aligned_copy(x)
-    elif not x.flags.c_contiguous:
-        x = np.ascontiguousarray(x)
-    out = put(x, local.sharding, dev) if put is not None else jax.device_put(x, dev)
-    if local.gpu:
+    if put is None:
+        if not local.gpu:
+            x = np.array(x, copy=True, order="C")
+        out = jax.device_put(x, dev)
+    else:
+        out = put(_host_copy(x, put), local.sharding, dev)
+    if local.gpu and wait:
         out.block_until_ready()     # the host memory may be rewritten as soon as we return
     return out
 

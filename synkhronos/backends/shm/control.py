@@ -147,6 +147,10 @@ class ShmControl:
         # a command's arguments go as their own pickle, made once per arguments object: a
         # call repeated with the same plan sends the same bytes, which workers recognise
         # and do not unpickle again (arguments with arrays out of band go as they are)
+        if not self.workers:                # one rank: nobody reads the command
+            self.ctrl[CMD_SEQ] = seq
+            self.begin(seq)
+            return
         name, args, forget, settle = command
         if args is not self._sent_args[0]:
             bufs = []
