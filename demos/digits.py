@@ -99,3 +99,21 @@ if __name__ == "__main__":
         X, y = d[k]
         print(f"{d['name']} {k}: X {X.shape} {X.dtype} [{X.min():.2f}, {X.max():.2f}], "
               f"y {y.shape} {y.dtype} counts {np.bincount(y, minlength=10).tolist()}")
+
+
+def resize(data, size):
+    """The data set with every image resized to ``size`` x ``size`` (bilinear, scipy)."""
+    from scipy.ndimage import zoom
+    h, w = data["shape"]
+    if (h, w) == (size, size):
+        return data
+    out = dict(data)
+    for part in ("train", "valid", "test"):
+        X, y = data[part]
+        imgs = zoom(X.reshape(-1, h, w), (1, size / h, size / w), order=1, grid_mode=True,
+                    mode="grid-constant")
+        out[part] = (np.ascontiguousarray(np.clip(imgs, 0, 1).reshape(len(X), size * size),
+                                          dtype=np.float32), y)
+    out["shape"] = (size, size)
+    out["name"] = f"{data['name']} resized to {size}x{size}"
+    return out

@@ -68,6 +68,8 @@ def load_data(args, dtype, prepare=None):
     data = digits.load(args.mnist_dir, seed=args.seed)
     if prepare is not None:
         data = prepare(data)
+    if getattr(args, "image_size", None):
+        data = digits.resize(data, args.image_size)
     X_tr, y_tr = data["train"]
     if args.train_subset is not None:
         X_tr, y_tr = X_tr[:args.train_subset], y_tr[:args.train_subset]
@@ -96,6 +98,8 @@ def run(args, build_model, prepare=None):
 
     n = synk.fork(args.n_parallel)
     try:
+        info = synk.session_info()
+        backend = "gpu" if info.gpu else ("jax" if "JAX" in info.device else "numba")
         B = max(n, args.batch_size - args.batch_size % n)
         print(f"data: {data['name']}: {n_train} train, {len(X_va)} valid, "
               f"{len(X_te)} test images")
@@ -120,8 +124,9 @@ def run(args, build_model, prepare=None):
         steps = len(epochs[0])
         tr.remember_initial()
 
-        s = serial_baselines(args, mode, tr, serial_idx, X_va, y_va, cores)
-        print(f"serial (1 process, {plural(cores, 'thread')}): {plural(steps, 'step')}/epoch, "
+        s = serial_baselines(args, mode, tr, serial_idx, X_va, y_va, cores, gpu=backend == "gpu")
+        where = "one GPU" if backend == "gpu" else plural(cores, 'thread')
+        print(f"serial (1 process, {where}): {plural(steps, 'step')}/epoch, "
               f"{np.median(s['t']):.3f} s/epoch; final loss {s['loss']:.4f}, "
               f"valid acc {s['valid_acc']:.4f}")
 
@@ -136,8 +141,8 @@ def run(args, build_model, prepare=None):
         jit_synk = time.perf_counter() - t0
         tr.restore()
         per_rank = max(1, cores // n)
-        print(f"synkhronos ({plural(n, 'rank')}, {plural(per_rank, 'thread')}"
-              f"{' each' if n > 1 else ''}):")
+        each = "one GPU" if backend == "gpu" else plural(per_rank, 'thread')
+        print(f"synkhronos ({plural(n, 'rank')}, {each}{' each' if n > 1 else ''}):")
         t_synk, losses = parallel_epochs(args, mode, tr, synk_step, epochs, X_va_d, y_va_d)
         busy_during = s["during"].share()
         la1 = machine_load.load_average()
@@ -157,7 +162,7 @@ def run(args, build_model, prepare=None):
         load_line, caveat = machine_load.load_verdict(s["busy_before"], busy_during, busy_after,
                                                       s["la0"], la1)
         print(load_line)
-        print(report.result(test_acc, s_ep, s1_ep, p_ep, cores, n, caveat), flush=True)
+        print(report.result(test_acc, s_ep, s1_ep, p_ep, cores, n, caveat, backend), flush=True)
         return dict(test_acc=test_acc, serial_epoch=s_ep, serial1_epoch=s1_ep, synk_epoch=p_ep,
                     speedup=s_ep / p_ep, speedup_1thread=s1_ep / p_ep, jit_serial=s["jit"],
                     jit_synk=jit_synk, steps=steps, batch=B, n=n, param_diff=diff,
@@ -180,10 +185,10 @@ def serial_epochs(args, mode, tr, serial_idx, label):
     return times, last
 
 
-def serial_baselines(args, mode, tr, serial_idx, X_va, y_va, cores):
-    """The serial baselines, on every core, then on one thread; returns their times, final
-    losses and parameters, the first call's time, and the other programs' load before them
-    (and an ``OtherLoad`` started with them).
+def serial_baselines(args, mode, tr, serial_idx, X_va, y_va, cores, gpu=False):
+    """The serial baselines, on every core, then on one thread (on a GPU: once, on the
+    master's GPU); returns their times, final losses and parameters, the first call's time,
+    and the other programs' load before them (and an ``OtherLoad`` started with them).
 
     Plain PyTensor in this (master) process: the SAME compiled graphs (``step.serial`` /
     ``Function.as_theano``: no extra JIT), the same initial values and the same batches.
@@ -214,6 +219,9 @@ def serial_baselines(args, mode, tr, serial_idx, X_va, y_va, cores):
         c_va, _ = tr.f_eval.as_theano(X_va, y_va)
         s["valid_acc"] = int(c_va) / len(y_va)
     s["params"] = tr.params_now()
+    if gpu:                      # (BLAS threads do not matter there: one run)
+        s["t1"], s["loss1"], s["params1"] = s["t"], s["loss"], s["params"]
+        return s
     with threadpool_limits(limits=1):
         tr.restore()
         s["t1"], s["loss1"] = serial_epochs(args, mode, tr, serial_idx, "serial (1 thread)")

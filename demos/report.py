@@ -57,10 +57,16 @@ def first_calls(jit_serial, jit_synk, t_build):
             f"synkhronos {jit_synk:.1f} s (graph build {t_build:.1f} s)")
 
 
-def result(test_acc, s_ep, s1_ep, p_ep, cores, n, caveat):
+def result(test_acc, s_ep, s1_ep, p_ep, cores, n, caveat, backend="numba"):
     """The ``RESULT:`` line: test accuracy, median epoch of the serial runs (all cores, one
-    thread) and of the data-parallel run, the speedups, and ``caveat`` (the load's)."""
-    return (f"{_result_start(test_acc, s_ep, cores)}, {s1_ep:.3f} s (1 thread); synkhronos "
+    thread) and of the data-parallel run, the speedups, and ``caveat`` (the load's).  On
+    GPU ranks (``backend="gpu"``) the serial run is plain PyTensor JAX on one GPU; on JAX CPU
+    ranks (``"jax"``) plain PyTensor JAX on the cores."""
+    if backend == "gpu":
+        return (f"RESULT: test accuracy {test_acc:.4f} | time/epoch: plain PyTensor JAX {s_ep:.3f} s "
+                f"(one GPU); synkhronos ({plural(n, 'GPU rank')}) {p_ep:.3f} s | speedup {s_ep / p_ep:.2f}x "
+                f"over plain PyTensor JAX on one GPU{caveat}")
+    return (f"{_result_start(test_acc, s_ep, cores, backend)}, {s1_ep:.3f} s (1 thread); synkhronos "
             f"({plural(n, 'rank')}) {p_ep:.3f} s | speedup {s_ep / p_ep:.2f}x over PyTensor on "
             f"all cores, {s1_ep / p_ep:.2f}x over one core{caveat}")
 
@@ -70,8 +76,9 @@ def serial_result(test_acc, s_ep, cores):
     return f"{_result_start(test_acc, s_ep, cores)} | synkhronos: not run (synk.distribute() failed)"
 
 
-def _result_start(test_acc, s_ep, cores):
+def _result_start(test_acc, s_ep, cores, backend="numba"):
     """Where every ``RESULT:`` line starts: the test accuracy and the median epoch of the
     serial run on all cores."""
-    return (f"RESULT: test accuracy {test_acc:.4f} | time/epoch: plain PyTensor {s_ep:.3f} s "
+    jax = " JAX" if backend == "jax" else ""
+    return (f"RESULT: test accuracy {test_acc:.4f} | time/epoch: plain PyTensor{jax} {s_ep:.3f} s "
             f"({plural(cores, 'thread')})")

@@ -41,7 +41,6 @@ with ``mnist_mlp.py`` and ``mnist_cnn.py``.
 import os
 import sys
 
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402  (demos/harness.py: the training run)
@@ -79,24 +78,6 @@ def parse_args(argv=None):
     return a
 
 
-def resize(data, size):
-    """The data set with every image resized to ``size`` x ``size`` (bilinear, scipy)."""
-    from scipy.ndimage import zoom
-    h, w = data["shape"]
-    if (h, w) == (size, size):
-        return data
-    out = dict(data)
-    for part in ("train", "valid", "test"):
-        X, y = data[part]
-        imgs = zoom(X.reshape(-1, h, w), (1, size / h, size / w), order=1, grid_mode=True,
-                    mode="grid-constant")
-        out[part] = (np.ascontiguousarray(np.clip(imgs, 0, 1).reshape(len(X), size * size),
-                                          dtype=np.float32), y)
-    out["shape"] = (size, size)
-    out["name"] = f"{data['name']} resized to {size}x{size}"
-    return out
-
-
 def main(argv=None):
     args = parse_args(argv)
     if args.mode is not None:
@@ -104,14 +85,13 @@ def main(argv=None):
         pytensor.config.mode = args.mode     # before any function is compiled
         print(f"PyTensor mode: {args.mode}")
     import layers                          # demos/layers.py (needs pytensor-ml)
-    prepare = None if args.image_size is None else (lambda d: resize(d, args.image_size))
     if args.resnet50:
         def build(x, h, w):
             return layers.resnet50(x, h, w, seed=args.seed)
     else:
         def build(x, h, w):
             return layers.resnet(x, h, w, width=args.width, blocks=args.blocks, seed=args.seed)
-    return harness.run(args, build, prepare)
+    return harness.run(args, build)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ class SessionInfo:
     debug: bool
     resources: dict         # what the session owns, e.g. {"shm_prefix": "/synk_…"}
     flight: tuple = ()      # flight.RankFlight of every rank: what each is doing (synkhronos.flight)
+    device: str = ""        # what the ranks compute on, as the fork banner says it
+    gpu: bool = False       # whether the ranks compute on GPUs
 
 
 def session_info():
@@ -46,7 +48,8 @@ def session_info():
             session.lock.release()
     return SessionInfo(not session.closed, session.distributed, session.n, session.master_rank,
                        tuple(sorted(ranks, key=lambda i: i.rank)), dict(session.commands_sent), session.debug,
-                       dict(planes.resources) if planes is not None else {}, flights)
+                       dict(planes.resources) if planes is not None else {}, flights,
+                       session.device.describe(), getattr(session.device, "platform", "") == "gpu")
 
 
 def flight_report():

@@ -6,7 +6,12 @@ every 64-bit type to 32 bits and warns each time a graph is traced ("Explicitly 
 dtype float64 requested in astype is not available"): noise a user cannot act on, on every
 function, even the introductory example.  The rewrite here (JAX mode, x64 off only) gives
 such reductions the 32-bit accumulator JAX uses in their place: the same numbers, no
-warning."""
+warning.
+
+PyTensor also types every count and index as int64 (``argmax``, the sum of a boolean,
+shapes), which JAX without x64 holds as int32 and warns about again; ``quiet_int64`` keeps
+those warnings, raised inside JAX or PyTensor's JAX functions, from the user's screen (a
+user's own code asking JAX for a 64-bit type still gets JAX's warning)."""
 from pytensor.graph.rewriting.basic import dfs_rewriter, node_rewriter
 from pytensor.tensor.elemwise import CAReduce
 
@@ -29,6 +34,12 @@ def narrow_accumulator(fgraph, node):
     return [out]
 
 
+def quiet_int64():
+    import warnings
+    warnings.filterwarnings("ignore", message=r"Explicitly requested dtype u?int64 requested in \w+ is not available",
+                            category=UserWarning, module=r"(jax|pytensor|synkhronos)(\.|$)")
+
+
 _registered = False
 
 
@@ -38,5 +49,6 @@ def register():
     if _registered:
         return
     _registered = True
+    quiet_int64()
     from pytensor.compile import optdb
     optdb.register("synk_jax_narrow_accumulators", dfs_rewriter(narrow_accumulator), "jax", position=100)

@@ -25,8 +25,12 @@ class AsDeclared(Op):
 
 @jax_funcify.register(AsDeclared)
 def _jax_as_declared(op, node=None, **kwargs):
+    import jax
     import jax.numpy as jnp
     dtype = node.outputs[0].type.dtype
+    if not jax.config.jax_enable_x64:       # (64-bit types are 32-bit there: JAX would warn and narrow)
+        dtype = {"float64": "float32", "int64": "int32", "uint64": "uint32",
+                 "complex128": "complex64"}.get(dtype, dtype)
 
     def as_declared(x):
         if getattr(x, "dtype", None) == dtype:

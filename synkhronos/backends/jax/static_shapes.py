@@ -13,11 +13,17 @@ expression by a ``ShapeArith`` op: its inputs are the arrays whose shapes the ex
 reads, and it carries the arithmetic as a small program over those shapes, which its JAX
 implementation evaluates in Python from the shapes JAX knows while tracing.  An ``arange``
 over such bounds becomes one ``ShapeArith`` too (PyTensor's conversion of ``arange``
-accepts constant or single-length bounds only)."""
+accepts constant or single-length bounds only).
+
+PyTensor's broadcasting of shapes it does not know carries runtime checks (``Assert`` ops
+on the lengths); JAX checks broadcasting itself while it traces and drops every ``Assert``
+with a warning the user cannot act on, and the checks stand between a length and its use.
+They are removed first (``drop_broadcast_checks``)."""
 import numpy as np
 from pytensor.graph.basic import Apply, Constant
 from pytensor.graph.op import Op
 from pytensor.graph.rewriting.basic import node_rewriter, out2in
+from pytensor.raise_op import Assert
 from pytensor.scalar import ScalarOp, ScalarType
 from pytensor.tensor.basic import ARange, ScalarFromTensor, TensorFromScalar
 from pytensor.tensor.elemwise import Elemwise
@@ -184,6 +190,17 @@ def static_shapes(fgraph, node):
     return [ShapeArith(kind, node.outputs[0].type.dtype, program, results)(*sources)]
 
 
+_BROADCAST_CHECKS = ("Could not broadcast dimensions",)
+
+
+@node_rewriter([Assert])
+def drop_broadcast_checks(fgraph, node):
+    """PyTensor's runtime check of a broadcast length, which JAX makes itself."""
+    if str(getattr(node.op, "msg", "")).startswith(_BROADCAST_CHECKS):
+        return [node.inputs[0]]
+    return None
+
+
 def _jax_shape_arith(op, node=None, **kwargs):
     def shape_arith(*sources):
         import jax.numpy as jnp
@@ -203,4 +220,5 @@ def register():
     from pytensor.compile import optdb
     from pytensor.link.jax.dispatch import jax_funcify
     jax_funcify.register(ShapeArith)(_jax_shape_arith)
+    optdb.register("synk_jax_drop_broadcast_checks", out2in(drop_broadcast_checks), "jax", position=99.9)
     optdb.register("synk_jax_static_shapes", out2in(static_shapes), "jax", position=100)
