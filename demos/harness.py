@@ -234,9 +234,18 @@ def serial_baselines(args, mode, tr, serial_idx, X_va, y_va, cores, gpu=False):
 
 def parallel_epochs(args, mode, tr, synk_step, epochs, X_va_d, y_va_d):
     """The data-parallel training's epochs, each followed by a validation by the ranks and
-    its line: (their times, the last epoch's losses)."""
-    t_synk = []
+    its line (and with ``--checkpoint``, a checkpoint): (their times, the last epoch's
+    losses).  ``--resume`` starts after the checkpoint's epoch."""
+    import synkhronos as synk
+    t_synk, losses, start = [], [float("nan")], 0
+    path = os.path.join(args.checkpoint, "checkpoint.npz") if args.checkpoint else None
+    if args.resume:
+        state = synk.load(path)
+        start = int(state["epoch"])
+        print(f"resumed from {path}: {plural(start, 'epoch')} done (saved at {state['ranks']} rank(s))", flush=True)
     for e, ep in enumerate(epochs):
+        if e < start:
+            continue
         losses = []
         t0 = time.perf_counter()
         with Progress(len(ep), f"epoch {e + 1}/{args.epochs}", mode) as pb:
@@ -249,6 +258,11 @@ def parallel_epochs(args, mode, tr, synk_step, epochs, X_va_d, y_va_d):
         print(f"epoch {e + 1:3d}/{args.epochs}  loss {losses[0]:.4f} -> {losses[-1]:.4f} "
               f"(mean {np.mean(losses):.4f})  valid loss {vloss:.4f}  valid acc {acc:.4f}  "
               f"[{dt:.3f} s]", flush=True)
+        if path is not None:
+            os.makedirs(args.checkpoint, exist_ok=True)
+            synk.save(path, state={"epoch": e + 1, "seed": args.seed, "ranks": synk.session_info().n})
+    if not t_synk:
+        raise SystemExit(f"nothing to train: the checkpoint has all {args.epochs} epoch(s) done")
     return t_synk, losses
 
 

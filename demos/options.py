@@ -105,6 +105,12 @@ def make_parser(doc, *, epochs, batch_size, learning_rates=None):
                    help="no progress display; by default a tqdm bar when stderr is a "
                         "terminal, otherwise a plain line every "
                         f"{LINE_EVERY:.0f} s of a long loop")
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="after every epoch of the data-parallel run, save every rank's state to "
+                        "DIR/checkpoint.npz (synk.save: atomic); default: none")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the data-parallel run from DIR/checkpoint.npz (--checkpoint DIR), "
+                        "at any number of ranks; the serial baseline still runs in full")
     p.add_argument("--gpu-size", action="store_true",
                    help="a workload where a GPU pays: the images resized to 28x28 (MNIST's shape; "
                         "32x32 for --resnet50) and at least 1024 rows per step; off by default "
@@ -115,6 +121,8 @@ def make_parser(doc, *, epochs, batch_size, learning_rates=None):
 def parse(p, argv=None):
     """Parse (values were checked by their types) and fill in the rule's learning rate."""
     a = p.parse_args(argv)
+    if a.resume and not a.checkpoint:
+        p.error("--resume needs --checkpoint DIR (where the checkpoint is)")
     if not hasattr(a, "image_size"):
         a.image_size = None
     if a.gpu_size:

@@ -18,6 +18,7 @@ from .errors import (SynkError, WorkerError, WorkerDied, WorkerStopped, StallTim
 from .collectives import (broadcast, scatter, gather, all_gather, reduce, all_reduce,
                           set_value, get_value, get_lengths, get_shapes)
 from .backends import get_n_gpu
+from .checkpoint import save, load, CheckpointError
 
 _sys.setrecursionlimit(max(_sys.getrecursionlimit(), 50000))
 
@@ -36,4 +37,4 @@ __all__ = ["fork", "close", "data", "Data", "function", "distribute", "Function"
            "SynkError", "WorkerError", "WorkerDied", "WorkerStopped", "StallTimeout", "RankLost",
            "ForeignSession", "OutOfRange", "BadArgument", "DeviceMemoryError", "DebugMismatch", "debug_log",
            "session_info", "flight_report",
-           "get_n_gpu"]
+           "get_n_gpu", "save", "load", "CheckpointError"]

@@ -89,6 +89,8 @@ class Function:
     # ---- documented properties -----------------------------------------------------------
     name = property(lambda self: self._kwargs.get("name"), doc="as in PyTensor functions")
     output_modes = property(lambda self: list(self._output_modes), doc="reduce mode of each output")
+    sliceable_shareds = property(lambda self: list(self._sliceable),
+                                 doc="the shared variables ``batch_s`` selects rows of (data shards)")
     update_modes = property(lambda self: list(self._update_modes),
                             doc="how each update accumulates over slices")
 

@@ -72,10 +72,11 @@ def assert_clean():
 # hold there are skipped under JAX, each with its reason.
 
 FUNCTIONAL_MODULES = ("test_function_outputs", "test_collectives", "test_batching", "test_intro_example",
-                      "test_shared_example", "test_updates", "test_data", "test_exchange", "test_ops")
-# tests of those modules that start their own mpiexec job (its sessions run CPU ranks):
-# not run again
-NOT_FUNCTIONAL = ("across_hosts",)
+                      "test_shared_example", "test_updates", "test_data", "test_exchange", "test_ops",
+                      "test_checkpoint")
+# tests of those modules that start their own mpiexec job or demo (their sessions run CPU
+# ranks) or fork JAX ranks themselves: not run again
+NOT_FUNCTIONAL = ("across_hosts", "on_jax_ranks", "demo_resumes")
 
 JAX_SKIPS = {
     "test_ops.py::TestOps::test_failure_after_the_collective_applies_nothing":
