@@ -78,9 +78,11 @@ def register():
     """Register the conversions of every package here that is importable (once per process),
     the rewrite that keeps arithmetic on shapes static (``static_shapes``) and the one that
     keeps reductions in JAX's width when its x64 mode is off (``narrow_accumulators``)."""
-    from . import narrow_accumulators, static_shapes
-    static_shapes.register()
-    narrow_accumulators.register()
+    if "rewrites" not in _done:
+        _done.add("rewrites")
+        from . import narrow_accumulators, static_shapes
+        static_shapes.register()
+        narrow_accumulators.register()
     for pkg, fn in _PACKAGES.items():
         if pkg in _done:
             continue

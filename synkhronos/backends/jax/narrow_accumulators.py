@@ -40,15 +40,8 @@ def quiet_int64():
                             category=UserWarning, module=r"(jax|pytensor|synkhronos)(\.|$)")
 
 
-_registered = False
-
-
 def register():
-    """Register the rewrite in PyTensor's JAX mode (once per process)."""
-    global _registered
-    if _registered:
-        return
-    _registered = True
+    """Register the rewrite in PyTensor's JAX mode (``conversions.register``: once per process)."""
     quiet_int64()
     from pytensor.compile import optdb
     optdb.register("synk_jax_narrow_accumulators", dfs_rewriter(narrow_accumulator), "jax", position=100)

@@ -208,15 +208,9 @@ def _jax_shape_arith(op, node=None, **kwargs):
     return shape_arith
 
 
-_registered = False
-
-
 def register():
-    """Register the rewrite (in PyTensor's JAX mode) and the op's JAX implementation."""
-    global _registered
-    if _registered:
-        return
-    _registered = True
+    """Register the rewrites (in PyTensor's JAX mode) and the op's JAX implementation
+    (``conversions.register``: once per process)."""
     from pytensor.compile import optdb
     from pytensor.link.jax.dispatch import jax_funcify
     jax_funcify.register(ShapeArith)(_jax_shape_arith)
