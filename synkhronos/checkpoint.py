@@ -54,6 +54,15 @@ def save(path, state=None, sharded=()):
     ``state`` (JSON-serialisable) to ``path`` atomically (see the module's docstring).
     ``sharded``: more variables that hold rows split over the ranks (beside the functions'
     sliceable shareds).  Returns the manifest (a dict)."""
+    manifest, arrays = snapshot(state, sharded)
+    blob = json.dumps(manifest, sort_keys=True).encode()
+    _write_atomically(os.fspath(path), dict(arrays, __manifest__=np.frombuffer(blob, dtype=np.uint8)))
+    return manifest
+
+
+def snapshot(state=None, sharded=()):
+    """``(manifest, {key: array})``: what ``save`` writes, in memory (``elastic`` keeps the
+    last committed one)."""
     from . import collectives
     from .session import get_session
     session = get_session(True)
@@ -76,10 +85,7 @@ def save(path, state=None, sharded=()):
             entries.append(entry)
     manifest = {"format": FORMAT, "version": VERSION, "n_ranks": session.n, "created": time.time(),
                 "variables": entries, "state": state_json}
-    blob = json.dumps(manifest, sort_keys=True).encode()
-    arrays["__manifest__"] = np.frombuffer(blob, dtype=np.uint8)
-    _write_atomically(os.fspath(path), arrays)
-    return manifest
+    return manifest, arrays
 
 
 def _tensor_shareds(session):
@@ -178,11 +184,15 @@ def load(path):
     """Set every shared variable of the session's functions from the checkpoint at
     ``path`` (written by ``save``, at any number of ranks) and return its ``state``.
     Everything is checked before anything is set (``CheckpointError``)."""
+    return restore(*read(path), where=path)
+
+
+def restore(manifest, arrays, where="the snapshot"):
+    """Set every shared variable of the session's functions from ``snapshot``'s result (of
+    any number of ranks); returns its ``state``.  Checked before anything is set."""
     from .session import get_session
     session = get_session(True)
-    manifest, arrays = read(path)
-    variables = _tensor_shareds(session)
-    plan = _plan(path, manifest, arrays, variables)
+    plan = _plan(where, manifest, arrays, _tensor_shareds(session))
     _apply(session, plan)
     return manifest.get("state")
 
