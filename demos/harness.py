@@ -96,7 +96,7 @@ def run(args, build_model, prepare=None):
     (X_va, y_va), (X_te, y_te) = data["valid"], data["test"]
     cores = usable_cores()
 
-    n = synk.fork(args.n_parallel)
+    n = synk.fork(args.n_parallel, timeline=args.timeline)
     try:
         info = synk.session_info()
         backend = "gpu" if info.gpu else ("jax" if "JAX" in info.device else "numba")

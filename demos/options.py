@@ -111,6 +111,9 @@ def make_parser(doc, *, epochs, batch_size, learning_rates=None):
     p.add_argument("--resume", action="store_true",
                    help="continue the data-parallel run from DIR/checkpoint.npz (--checkpoint DIR), "
                         "at any number of ranks; the serial baseline still runs in full")
+    p.add_argument("--timeline", default=None, metavar="FILE",
+                   help="write a Chrome/Perfetto trace of every rank to FILE when the run ends "
+                        "(synk.fork(timeline=...)); default: none")
     p.add_argument("--gpu-size", action="store_true",
                    help="a workload where a GPU pays: the images resized to 28x28 (MNIST's shape; "
                         "32x32 for --resnet50) and at least 1024 rows per step; off by default "

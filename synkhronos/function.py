@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from . import shards
+from . import shards, timeline
 from .commands import worker_command
 from .data import Data, array_ref, condition, owner, plan_key, resize
 from .errors import BadArgument, OutOfRange
@@ -316,9 +316,12 @@ class Function:
         if variant in self._warm:
             mine, theirs = session.execute("call", args, local, master_first, what=what, needs=needs, after=after)
         else:                    # the first call compiles (numba JIT: up to a minute): say so
+            t0 = time.monotonic()
             with busy(f"synkhronos: first {what}: compiling (JIT) or loading it from the cache"):
                 mine, theirs = session.execute("call", args, local, master_first, what=what, patient=True,
                                           needs=needs, after=after)
+            timeline.compile_span(f"{self.name or replica.fid} (first call: compile or cache load)", t0,
+                                  time.monotonic())
         self._warm.add(variant)
         return mine, theirs, arrays
 

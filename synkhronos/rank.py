@@ -8,7 +8,7 @@ master's is ``session.me``).
 inside compiled graphs (collective ops) uses it to reach the comm plane."""
 import os
 
-from . import flight, shards
+from . import flight, shards, timeline
 
 _current = None
 
@@ -46,6 +46,8 @@ class Rank:
         self.extras = {}       # state that extensions keep on this rank, by name
         # the flight recorder of this rank: the worker loop, the waits and the comm stack write to it
         self.flight = flight.recorder(control, control.rank, os.getpid())
+        if timeline.current() is not None:     # (synk.fork(timeline=...): spans kept as well)
+            self.flight = timeline.Recording(self.flight, timeline.current())
         control.waiter.flight = self.flight
         comm.flight = self.flight
 

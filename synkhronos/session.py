@@ -18,7 +18,7 @@ import time
 from . import signals
 import numpy as np
 
-from . import backends, flight
+from . import backends, flight, timeline
 from .debug import DebugMismatch, compare, fingerprint
 from .debug import enabled as debug_enabled
 from .errors import (Aborted, ForeignSession, StallTimeout, SynkError, WorkerDied,
@@ -79,7 +79,7 @@ class Session:
     CHECK_EVERY = 0.002            # seconds between liveness checks outside waits
 
     def __init__(self, topology, master_rank, profile_workers=False, debug=False, stall=DEFAULT_STALL,
-                 timeout=None, spin=None):
+                 timeout=None, spin=None, timeline_path=None):
         self.topology = topology       # backends.Topology: where the ranks run
         self.device = topology.device
         self.n = self.device.n
@@ -109,14 +109,19 @@ class Session:
         self.lengths = LengthCache()
         self.closed_cleanly = False
         self.command_log = {}          # seq -> what it was (the last 64 commands; flight reports)
+        self.timeline_path = timeline_path     # where close() writes the timeline (None: off)
+        self.timeline_dir = None
         self.waiter.report = lambda: self.print_flight("synkhronos flight recorder at the stall")
 
     shareds = property(lambda self: self.me.shareds)
 
     # ---- life cycle ------------------------------------------------------------------------
     def start(self, timeout):
+        if self.timeline_path is not None:
+            self.timeline_dir = timeline.new_folder()
         settings = dict(sys_path=[p for p in sys.path if p], profile=self.profile_workers, debug=self.debug,
-                        stall=self.waiter.stall, timeout=self.waiter.timeout, spin=self.waiter.spin)
+                        stall=self.waiter.stall, timeout=self.waiter.timeout, spin=self.waiter.spin,
+                        timeline=self.timeline_dir)
         spec = backends.MasterSpec(self.topology, self.master_rank, self.waiter, self._check, settings)
 
         def env_for(r):
@@ -126,6 +131,8 @@ class Session:
         try:
             planes = self.planes = backends.create_master(spec)    # (across hosts: the agents join)
             self.launcher = planes.launcher
+            if self.timeline_path is not None:
+                timeline.start(self.rank, self.launcher.host)
             self.me = Rank(self.rank, self.n, self.master_rank, self.device, planes.control, planes.comm)
             cfg = dict(planes.worker_config, n=self.n, master_rank=self.master_rank, master_pid=self.pid,
                        device=self.device.config(), **settings)
@@ -210,6 +217,8 @@ class Session:
             me.control.close()
         if self.planes is not None:
             backends.remove(self.planes, self.closed_cleanly)
+        if self.timeline_path is not None:
+            self._write_timeline()
         global _session
         if _session is self:
             _session = None
@@ -378,10 +387,23 @@ class Session:
             self.settle = (settle[0], True)
             self.me.settle(self.settle)
 
+    def _write_timeline(self):
+        try:
+            path = timeline.write_trace(self.timeline_path, self.timeline_dir, self.n)
+        except OSError as e:
+            print(f"synkhronos: could not write the timeline to {self.timeline_path}: {e}", file=sys.stderr)
+            return
+        if path is not None:
+            print(f"synkhronos: timeline of {self.n} rank(s) written to {path} (open it in "
+                  "https://ui.perfetto.dev or chrome://tracing)", file=sys.stderr, flush=True)
+
     def log_command(self, seq, what):
         """Remember what command ``seq`` was (the flight report names it); the last 64."""
         log = self.command_log
         log[seq] = what
+        tl = timeline.current()
+        if tl is not None:
+            tl.labels[seq] = what
         if len(log) > 64:
             del log[next(iter(log))]
 
@@ -440,7 +462,7 @@ def get_session(require_distributed=False):
 
 def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
          max_n_var=None, max_dim=None, timeout=None, debug=None, stall=None, mode=None,
-         start_timeout=120.0, spin=None, matmul_precision=None):
+         start_timeout=120.0, spin=None, matmul_precision=None, timeline=None):
     """Start one worker process per extra device; the master process is rank ``master_rank``.
 
     ``n_parallel=None`` uses every usable device (CPU cores here); each process gets its
@@ -461,6 +483,8 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
     ``matmul_precision`` (JAX ranks; default: JAX's own setting in the master, e.g. env
     ``JAX_DEFAULT_MATMUL_PRECISION``): the precision of float32 matmuls in every rank,
     "highest" for full float32 where JAX's default on Ampere/Hopper GPUs is TF32.
+    ``timeline`` (default: env ``SYNK_TIMELINE``): a path where ``close()`` writes a
+    Chrome/Perfetto trace of every rank (``synkhronos.timeline``).
     Returns the number of ranks."""
     global _session
     if IN_WORKER:
@@ -479,7 +503,9 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
         raise ValueError(f"master_rank must be an int in [0, {device.n - 1}], got {master_rank!r}")
     master_rank = int(master_rank)
     backends.reap(topology.name)
-    session = Session(topology, master_rank, profile_workers, debug_enabled(debug), stall, timeout, spin)
+    timeline_path = timeline or os.environ.get("SYNK_TIMELINE") or None
+    session = Session(topology, master_rank, profile_workers, debug_enabled(debug), stall, timeout, spin,
+                      timeline_path)
     _session = session
     try:
         session.start(start_timeout)

@@ -12,7 +12,7 @@ import signal
 import sys
 import traceback
 
-from . import backends, session, signals
+from . import backends, session, signals, timeline
 from . import rank as rank_module
 from .commands import handler, worker_command
 from .compiling import generated_src_dir
@@ -46,6 +46,9 @@ def serve(cfg):
         device = backends.make_device(cfg.get("device") or {"kind": "cpu"}, cfg["n"])
         comm = backends.attach_comm(cfg, rank, control, device)
         device.init_worker(rank)
+        if cfg.get("timeline"):
+            import socket
+            timeline.start(rank, socket.gethostname())
         me = Rank(rank, cfg["n"], cfg["master_rank"], device, control, comm)
         rank_module.become(me)
         from . import function, rankops  # noqa: F401  (register their commands)
@@ -87,6 +90,8 @@ def serve(cfg):
         if debug:
             reply = reply._replace(fingerprint=fp)
         me.flight.done(seq)
+        if command.name == "quit":
+            timeline.dump(cfg.get("timeline"))      # (before the reply: the master reads it next)
         try:
             control.reply(seq, reply)
         except BaseException:

@@ -1,0 +1,177 @@
+"""A timeline of every rank: a Chrome / Perfetto trace (``chrome://tracing``,
+https://ui.perfetto.dev) written when the session closes.
+
+``synk.fork(timeline="run.json")`` (or env ``SYNK_TIMELINE``) turns it on.  Each rank is
+one process of the trace, named with its rank, host and pid; its events are spans on one
+track, nested by time:
+
+* every command (``call of function f``, ``all_reduce``, ``distribute`` ...), with its
+  sequence number;
+* inside it, every collective with its bytes, and every wait for other ranks (a barrier,
+  a vote, the next command, replies) with the ranks it waited on: a straggler is the rank
+  the others' waits point at, and whose own span is the long one;
+* compiles and cache loads (``compile``), where the rank compiled a function.
+
+What is between a command's nested spans is the rank's own work (computing, moving its
+rows).  The events are the flight recorder's (``synkhronos.flight``), kept in a list
+in each process while the timeline is on, and nothing more when it is off.  Workers write
+theirs to a private folder when the session closes; the master merges them, names the
+commands from its log and writes the file (mode 0600, through a temporary name).  A
+session that loses a rank writes the master's events only.  One machine: under
+``mpiexec`` the other hosts' ranks are not in it yet."""
+import json
+import os
+import secrets
+import time
+
+_current = None
+
+
+class Timeline:
+    """This process's events: ``(name, category, start, end, args)``, monotonic seconds."""
+
+    def __init__(self, rank, host, pid):
+        self.rank, self.host, self.pid = rank, host, pid
+        self.events = []
+        self.labels = {}                 # seq -> what the command was (the master's)
+
+    def span(self, name, cat, t0, t1, args=None):
+        self.events.append((name, cat, t0, t1, args))
+
+
+def start(rank, host):
+    """Turn the timeline on in this process."""
+    global _current
+    _current = Timeline(rank, host, os.getpid())
+    return _current
+
+
+def stop():
+    global _current
+    tl, _current = _current, None
+    return tl
+
+
+def current():
+    return _current
+
+
+class Recording:
+    """A flight recorder that also keeps spans for the timeline (see ``flight.Recorder``:
+    the same calls, made at the same places)."""
+
+    def __init__(self, inner, tl):
+        self.inner, self.tl, self.clock = inner, tl, time.monotonic
+        self.seq, self.t_cmd = 0, None
+        self.verb, self.nbytes, self.t_verb = None, 0, None
+        self.what, self.t_wait, self.on = None, None, ()
+
+    def command(self, seq):
+        self.inner.command(seq)
+        self.seq, self.t_cmd = seq, self.clock()
+
+    def done(self, seq):
+        self.inner.done(seq)
+        now = self.clock()
+        self._end_collective(now)
+        if self.t_cmd is not None:
+            self.tl.span(f"command {seq}", "command", self.t_cmd, now, {"seq": seq})
+            self.t_cmd = None
+
+    def collective(self, verb, nbytes=0):
+        self.inner.collective(verb, nbytes)
+        now = self.clock()
+        self._end_collective(now)
+        self.verb, self.nbytes, self.t_verb = verb, nbytes, now
+
+    def _end_collective(self, now):
+        if self.verb is not None:
+            self.tl.span(self.verb, "collective", self.t_verb, now, {"bytes": self.nbytes, "command": self.seq})
+            self.verb = None
+
+    def waiting(self, what):
+        self.inner.waiting(what)
+        self.what, self.t_wait, self.on = what, self.clock(), ()
+
+    def owed(self, ranks):
+        self.inner.owed(ranks)
+        self.on = tuple(ranks)
+
+    def waited(self):
+        self.inner.waited()
+        if self.t_wait is not None:
+            args = {"command": self.seq}
+            if self.on:
+                args["waiting on ranks"] = list(self.on)
+            self.tl.span(f"wait: {self.what or 'other ranks'}", "wait", self.t_wait, self.clock(), args)
+            self.t_wait = None
+
+
+def compile_span(name, t0, t1):
+    """A compile or cache load of function ``name`` in this process (if the timeline is on)."""
+    if _current is not None:
+        _current.span(f"compile {name}", "compile", t0, t1)
+
+
+# ---- files --------------------------------------------------------------------------------
+
+def new_folder():
+    """A private folder for the workers' events."""
+    import tempfile
+    return tempfile.mkdtemp(prefix="synk-timeline-")
+
+
+def dump(folder):
+    """A worker's events, to ``folder`` (when the session closes)."""
+    tl = stop()
+    if tl is None or not folder:
+        return
+    path = os.path.join(folder, f"rank{tl.rank}.json")
+    try:                                 # (a folder of another host under mpiexec: not there)
+        _write_private(path, {"rank": tl.rank, "host": tl.host, "pid": tl.pid, "events": tl.events})
+    except OSError:
+        pass
+
+
+def write_trace(path, folder, n):
+    """Merge the master's events with the workers' (in ``folder``, removed) into a Chrome
+    trace at ``path``.  Returns the path, or None when the timeline was off."""
+    tl = stop()
+    if tl is None:
+        return None
+    ranks = [{"rank": tl.rank, "host": tl.host, "pid": tl.pid, "events": tl.events}]
+    if folder:
+        for r in range(n):
+            f = os.path.join(folder, f"rank{r}.json")
+            if os.path.exists(f):
+                with open(f) as fh:
+                    ranks.append(json.load(fh))
+                os.unlink(f)
+        try:
+            os.rmdir(folder)
+        except OSError:
+            pass
+    t0 = min((e[2] for r in ranks for e in r["events"]), default=0.0)
+    trace = []
+    for r in sorted(ranks, key=lambda r: r["rank"]):
+        pid = r["rank"]
+        trace.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
+                      "args": {"name": f"rank {r['rank']} ({r['host']}, pid {r['pid']})"}})
+        trace.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
+        for name, cat, a, b, args in r["events"]:
+            if cat == "command":
+                label = tl.labels.get((args or {}).get("seq"))
+                name = label or name
+            trace.append({"ph": "X", "name": name, "cat": cat, "pid": pid, "tid": 0,
+                          "ts": (a - t0) * 1e6, "dur": max(0.0, b - a) * 1e6, "args": args or {}})
+    _write_private(os.fspath(path), {"traceEvents": trace, "displayTimeUnit": "ms"})
+    return path
+
+
+def _write_private(path, obj):
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)

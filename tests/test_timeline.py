@@ -1,0 +1,66 @@
+"""``synk.fork(timeline=path)``: a Chrome/Perfetto trace of every rank, written at close:
+each rank a named process (rank, host, pid), every command a span named as the master
+logged it, collectives with their bytes, waits with the ranks waited on, the first call's
+compile; the file private, the workers' folder gone.  Off by default: nothing written."""
+import json
+import os
+import stat
+
+import numpy as np
+import pytensor
+import pytensor.tensor as T
+
+import synkhronos as synk
+import synk_testutil as tu
+
+
+def _folders():
+    import tempfile
+    return sorted(d for d in os.listdir(tempfile.gettempdir()) if d.startswith("synk-timeline-"))
+
+
+def test_trace_of_every_rank(tmp_path, assert_clean):
+    path = tmp_path / "run.json"
+    before = _folders()
+    n = tu.fork(3, timeline=str(path))
+    try:
+        x = T.matrix("x")
+        w = pytensor.shared(np.ones(3), name="w")
+        f = synk.function([x], (x.dot(w).sum(), "sum"), updates=[(w, w + T.mean(x, axis=0))], name="f")
+        synk.distribute()
+        for _ in range(4):
+            f(np.ones((9, 3)))
+        synk.all_reduce(w, "avg")
+        assert not path.exists()                       # written when the session closes
+    finally:
+        synk.close()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    events = json.loads(path.read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert sorted(names) == list(range(n)) and all(f"rank {r} (" in names[r] and "pid" in names[r] for r in names)
+    spans = [e for e in events if e["ph"] == "X"]
+    for r in range(n):
+        mine = [e for e in spans if e["pid"] == r]
+        assert sum(e["name"] == "call of function f" for e in mine) == 4, mine
+        assert any(e["name"] == "all_reduce" and e["cat"] == "command" for e in mine)
+        assert any(e["cat"] == "collective" and e["args"]["bytes"] > 0 for e in mine), mine
+        assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in mine)
+    assert any(e["cat"] == "compile" and e["pid"] == 0 for e in spans)
+    assert any(e["cat"] == "wait" for e in spans)
+    assert _folders() == before                       # the workers' folder is gone
+    assert_clean()
+
+
+def test_off_by_default(tmp_path, monkeypatch, assert_clean):
+    monkeypatch.delenv("SYNK_TIMELINE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    tu.fork(2)
+    try:
+        x = T.matrix("x")
+        f = synk.function([x], x.sum())
+        synk.distribute()
+        f(np.ones((4, 2)))
+    finally:
+        synk.close()
+    assert os.listdir(tmp_path) == []
+    assert_clean()
