@@ -316,12 +316,11 @@ class Function:
         if variant in self._warm:
             mine, theirs = session.execute("call", args, local, master_first, what=what, needs=needs, after=after)
         else:                    # the first call compiles (numba JIT: up to a minute): say so
-            t0 = time.monotonic()
+            t0 = time.time()
             with busy(f"synkhronos: first {what}: compiling (JIT) or loading it from the cache"):
                 mine, theirs = session.execute("call", args, local, master_first, what=what, patient=True,
                                           needs=needs, after=after)
-            timeline.compile_span(f"{self.name or replica.fid} (first call: compile or cache load)", t0,
-                                  time.monotonic())
+            timeline.compile_span(f"{self.name or replica.fid} (first call: compile or cache load)", t0, time.time())
         self._warm.add(variant)
         return mine, theirs, arrays
 

@@ -110,18 +110,15 @@ class Session:
         self.closed_cleanly = False
         self.command_log = {}          # seq -> what it was (the last 64 commands; flight reports)
         self.timeline_path = timeline_path     # where close() writes the timeline (None: off)
-        self.timeline_dir = None
         self.waiter.report = lambda: self.print_flight("synkhronos flight recorder at the stall")
 
     shareds = property(lambda self: self.me.shareds)
 
     # ---- life cycle ------------------------------------------------------------------------
     def start(self, timeout):
-        if self.timeline_path is not None:
-            self.timeline_dir = timeline.new_folder()
         settings = dict(sys_path=[p for p in sys.path if p], profile=self.profile_workers, debug=self.debug,
                         stall=self.waiter.stall, timeout=self.waiter.timeout, spin=self.waiter.spin,
-                        timeline=self.timeline_dir)
+                        timeline=self.timeline_path is not None)
         spec = backends.MasterSpec(self.topology, self.master_rank, self.waiter, self._check, settings)
 
         def env_for(r):
@@ -192,14 +189,16 @@ class Session:
             return
         self.closed = True
         me = self.me
+        last_words = []
         if me is not None and graceful and me.control.workers and self.launcher.info():
             try:
                 quick = Waiter(self._check, None, 5.0)
                 me.control.waiter = quick
                 self._finish_inflight("close")
                 self._send("quit", ())
-                self._collect_all("close")
+                replies = self._collect_all("close")
                 self.closed_cleanly = True
+                last_words = [getattr(r, "value", None) for r in replies.values()]
             except BaseException:
                 pass
         if self.launcher is not None:
@@ -218,7 +217,7 @@ class Session:
         if self.planes is not None:
             backends.remove(self.planes, self.closed_cleanly)
         if self.timeline_path is not None:
-            self._write_timeline()
+            self._write_timeline(last_words)
         global _session
         if _session is self:
             _session = None
@@ -387,9 +386,9 @@ class Session:
             self.settle = (settle[0], True)
             self.me.settle(self.settle)
 
-    def _write_timeline(self):
+    def _write_timeline(self, workers):
         try:
-            path = timeline.write_trace(self.timeline_path, self.timeline_dir, self.n)
+            path = timeline.write_trace(self.timeline_path, workers)
         except OSError as e:
             print(f"synkhronos: could not write the timeline to {self.timeline_path}: {e}", file=sys.stderr)
             return

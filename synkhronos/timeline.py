@@ -14,11 +14,13 @@ track, nested by time:
 
 What is between a command's nested spans is the rank's own work (computing, moving its
 rows).  The events are the flight recorder's (``synkhronos.flight``), kept in a list
-in each process while the timeline is on, and nothing more when it is off.  Workers write
-theirs to a private folder when the session closes; the master merges them, names the
-commands from its log and writes the file (mode 0600, through a temporary name).  A
-session that loses a rank writes the master's events only.  One machine: under
-``mpiexec`` the other hosts' ranks are not in it yet."""
+in each process while the timeline is on, and nothing more when it is off.  Workers hand
+theirs to the master in their reply to the session's last command (through the control
+plane: from every host under ``mpiexec`` too); the master merges them, names the commands
+from its log and writes the file (mode 0600, through a temporary name).  A session that
+loses a rank writes the events of the ranks that answered.  Times are each host's wall
+clock: ranks of different machines line up as well as their clocks agree (NTP: typically
+well under a millisecond on a LAN)."""
 import json
 import os
 import secrets
@@ -28,7 +30,7 @@ _current = None
 
 
 class Timeline:
-    """This process's events: ``(name, category, start, end, args)``, monotonic seconds."""
+    """This process's events: ``(name, category, start, end, args)``, wall-clock seconds."""
 
     def __init__(self, rank, host, pid):
         self.rank, self.host, self.pid = rank, host, pid
@@ -61,7 +63,7 @@ class Recording:
     the same calls, made at the same places)."""
 
     def __init__(self, inner, tl):
-        self.inner, self.tl, self.clock = inner, tl, time.monotonic
+        self.inner, self.tl, self.clock = inner, tl, time.time     # (wall clock: hosts agree on it)
         self.seq, self.t_cmd = 0, None
         self.verb, self.nbytes, self.t_verb = None, 0, None
         self.what, self.t_wait, self.on = None, None, ()
@@ -113,44 +115,26 @@ def compile_span(name, t0, t1):
         _current.span(f"compile {name}", "compile", t0, t1)
 
 
-# ---- files --------------------------------------------------------------------------------
+# ---- the trace ------------------------------------------------------------------------------
 
-def new_folder():
-    """A private folder for the workers' events."""
-    import tempfile
-    return tempfile.mkdtemp(prefix="synk-timeline-")
-
-
-def dump(folder):
-    """A worker's events, to ``folder`` (when the session closes)."""
+def take():
+    """This process's events, as a worker hands them to the master when the session closes
+    (the reply to its last command: through the control plane, from any host)."""
     tl = stop()
-    if tl is None or not folder:
-        return
-    path = os.path.join(folder, f"rank{tl.rank}.json")
-    try:                                 # (a folder of another host under mpiexec: not there)
-        _write_private(path, {"rank": tl.rank, "host": tl.host, "pid": tl.pid, "events": tl.events})
-    except OSError:
-        pass
+    if tl is None:
+        return None
+    return {"rank": tl.rank, "host": tl.host, "pid": tl.pid, "events": tl.events}
 
 
-def write_trace(path, folder, n):
-    """Merge the master's events with the workers' (in ``folder``, removed) into a Chrome
-    trace at ``path``.  Returns the path, or None when the timeline was off."""
+def write_trace(path, workers):
+    """Merge the master's events with the workers' (``take()`` of each, None where a rank
+    sent none) into a Chrome trace at ``path``.  Returns the path, or None when the
+    timeline was off."""
     tl = stop()
     if tl is None:
         return None
     ranks = [{"rank": tl.rank, "host": tl.host, "pid": tl.pid, "events": tl.events}]
-    if folder:
-        for r in range(n):
-            f = os.path.join(folder, f"rank{r}.json")
-            if os.path.exists(f):
-                with open(f) as fh:
-                    ranks.append(json.load(fh))
-                os.unlink(f)
-        try:
-            os.rmdir(folder)
-        except OSError:
-            pass
+    ranks += [w for w in workers if isinstance(w, dict) and "events" in w]
     t0 = min((e[2] for r in ranks for e in r["events"]), default=0.0)
     trace = []
     for r in sorted(ranks, key=lambda r: r["rank"]):
@@ -160,8 +144,7 @@ def write_trace(path, folder, n):
         trace.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
         for name, cat, a, b, args in r["events"]:
             if cat == "command":
-                label = tl.labels.get((args or {}).get("seq"))
-                name = label or name
+                name = tl.labels.get((args or {}).get("seq")) or name
             trace.append({"ph": "X", "name": name, "cat": cat, "pid": pid, "tid": 0,
                           "ts": (a - t0) * 1e6, "dur": max(0.0, b - a) * 1e6, "args": args or {}})
     _write_private(os.fspath(path), {"traceEvents": trace, "displayTimeUnit": "ms"})

@@ -25,7 +25,7 @@ from .waiting import Waiter
 
 @worker_command("quit")
 def _quit(me):
-    return None
+    return timeline.take()          # this rank's timeline events (None when it is off)
 
 
 def _master_watch(master_pid):
@@ -90,8 +90,6 @@ def serve(cfg):
         if debug:
             reply = reply._replace(fingerprint=fp)
         me.flight.done(seq)
-        if command.name == "quit":
-            timeline.dump(cfg.get("timeline"))      # (before the reply: the master reads it next)
         try:
             control.reply(seq, reply)
         except BaseException:

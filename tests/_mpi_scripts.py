@@ -377,7 +377,42 @@ def scenario_ps(n, what):
     _result(**res)
 
 
+def ckpt_model():
+    """The model of ``scenario_resume`` (also built by tests/test_checkpoint.py in one host's
+    session): a small MLP trained with Adam, and its data."""
+    import pytensor
+    import pytensor.tensor as T
+    from synkhronos.extensions import train, updates
+    rng = np.random.default_rng(5)
+    X = rng.standard_normal((40, 6))
+    Y = rng.integers(0, 3, 40).astype(np.int32)
+    x, y = T.matrix("x", dtype="float64"), T.ivector("y")
+    W1 = pytensor.shared(rng.standard_normal((6, 8)) * 0.5, name="W1")
+    W2 = pytensor.shared(rng.standard_normal((8, 3)) * 0.5, name="W2")
+    target = T.eq(y[:, None], T.arange(3)).astype("float64")
+    loss = T.mean((T.tanh(x.dot(W1)).dot(W2) - target) ** 2)
+    step = train.make_train_function(loss, [W1, W2], [x, y], updates.adam, learning_rate=0.05)
+    return step, [W1, W2], X, Y
+
+
+def scenario_resume(ckpt, trace, steps):
+    """A checkpoint written by one host's session, resumed on every host with a timeline;
+    the state after ``steps`` more steps saved to ``ckpt + '.out'``."""
+    import synkhronos as synk
+    synk.fork(None, timeline=trace)
+    info = synk.session_info()
+    ranks = [(r.rank, r.host, r.pid) for r in info.ranks]
+    _info(ranks=ranks, hosts=sorted({h for _, h, _ in ranks}))
+    step, params, X, Y = ckpt_model()
+    synk.distribute()
+    state = synk.load(ckpt)
+    losses = [float(step(X, Y)) for _ in range(int(steps))]
+    synk.save(ckpt + ".out", state={"from": state, "ranks": info.n})
+    synk.close()
+    _result(losses=losses, n=info.n)
+
+
 if __name__ == "__main__":
     name, args = sys.argv[1], sys.argv[2:]
     {"features": scenario_features, "train": scenario_train, "fault": scenario_fault,
-     "ps": scenario_ps}[name](*args)
+     "ps": scenario_ps, "resume": scenario_resume}[name](*args)

@@ -227,3 +227,48 @@ def test_hosts_master_killed_ends_everything(hosts):
         hosts.clear_shm()
         if os.path.exists(out):
             os.unlink(out)
+
+
+def test_hosts_checkpoint_and_timeline(hosts, tmp_path):
+    """A checkpoint written by a session on this host resumes on two hosts (2 ranks -> 4),
+    whose run writes a timeline of every rank of both hosts and a checkpoint that resumes
+    here again at one rank; the losses and parameters continue those of the run that was
+    not interrupted, to rounding."""
+    import json
+
+    import numpy as np
+
+    import synkhronos as synk
+    from _mpi_scripts import ckpt_model
+    ck, trace = str(tmp_path / "ck.npz"), str(tmp_path / "trace.json")
+    tu.fork(2)
+    try:
+        step, params, X, Y = ckpt_model()
+        synk.distribute()
+        for _ in range(3):
+            step(X, Y)
+        synk.save(ck, state={"step": 3})
+        ref = [float(step(X, Y)) for _ in range(4)]
+        ref_params = [p.get_value() for p in params]
+    finally:
+        synk.close()
+    p, info, res = run_hosts(hosts, "resume", ck, trace, "4")
+    assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
+    assert info["hosts"] == ["hA", "hB"] and res["n"] == 4
+    np.testing.assert_allclose(res["losses"], ref, rtol=1e-10)
+    events = json.load(open(trace))["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert sorted(names) == [0, 1, 2, 3], names
+    assert [names[r].split("(")[1].split(",")[0] for r in range(4)] == ["hA", "hA", "hB", "hB"], names
+    for r in range(4):
+        assert sum(e["name"] == "call of function train_grad" and e["pid"] == r for e in events) == 4
+    tu.fork(1)
+    try:
+        step, params, X, Y = ckpt_model()
+        synk.distribute()
+        assert synk.load(ck + ".out") == {"from": {"step": 3}, "ranks": 4}
+        for p_, q in zip(params, ref_params):
+            np.testing.assert_allclose(p_.get_value(), q, rtol=1e-10)
+    finally:
+        synk.close()
+    assert_hosts_clean(hosts)
