@@ -118,7 +118,6 @@ def run(args, build_model, prepare=None):
                   f"{sys.version.split()[0]} ({e.__cause__!r}); running the serial baseline only")
             return serial_only(args, mode, tr, n_train, B, X_te, y_te, cores)
         X_va_d, y_va_d = synk.data(X_va), synk.data(y_va)
-        X_te_d, y_te_d = synk.data(X_te), synk.data(y_te)
         epochs, serial_idx, lengths = plan_batches(args.data_pattern, args.seed, args.epochs,
                                                    n_train, n, B, args.max_steps)
         steps = len(epochs[0])
@@ -143,7 +142,15 @@ def run(args, build_model, prepare=None):
         per_rank = max(1, cores // n)
         each = "one GPU" if backend == "gpu" else plural(per_rank, 'thread')
         print(f"synkhronos ({plural(n, 'rank')}, {each}{' each' if n > 1 else ''}):")
-        t_synk, losses = parallel_epochs(args, mode, tr, synk_step, epochs, X_va_d, y_va_d)
+        def rebuild(n_left):                 # --elastic: a session of the ranks left
+            synk.fork(n_left, timeline=args.timeline)
+            tr2 = Training(args, build_model, data, B, n_left, dtype)
+            synk.distribute()
+            return tr2, tr2.feed_ranks(lengths), synk.data(X_va), synk.data(y_va)
+        t_synk, losses, (tr, X_va_d, y_va_d) = parallel_epochs(args, mode, tr, synk_step, epochs, X_va_d, y_va_d,
+                                                               rebuild if args.elastic else None)
+        n = synk.session_info().n
+        X_te_d, y_te_d = synk.data(X_te), synk.data(y_te)
         busy_during = s["during"].share()
         la1 = machine_load.load_average()
         busy_after = machine_load.machine_busy()
@@ -232,38 +239,66 @@ def serial_baselines(args, mode, tr, serial_idx, X_va, y_va, cores, gpu=False):
     return s
 
 
-def parallel_epochs(args, mode, tr, synk_step, epochs, X_va_d, y_va_d):
+def parallel_epochs(args, mode, tr, synk_step, epochs, X_va_d, y_va_d, rebuild=None):
     """The data-parallel training's epochs, each followed by a validation by the ranks and
     its line (and with ``--checkpoint``, a checkpoint): (their times, the last epoch's
-    losses).  ``--resume`` starts after the checkpoint's epoch."""
+    losses, and ``(tr, X_va_d, y_va_d)`` of the session in use at the end).  ``--resume``
+    starts after the checkpoint's epoch.  With ``rebuild(n)`` (``--elastic``) a lost rank
+    does not end the run: every epoch is committed in memory, and after a loss a session
+    of the ranks left (``rebuild``: fork, build, distribute) goes on from the last commit,
+    with the same global batches."""
     import synkhronos as synk
+    from synkhronos import checkpoint
     t_synk, losses, start = [], [float("nan")], 0
     path = os.path.join(args.checkpoint, "checkpoint.npz") if args.checkpoint else None
     if args.resume:
         state = synk.load(path)
         start = int(state["epoch"])
         print(f"resumed from {path}: {plural(start, 'epoch')} done (saved at {state['ranks']} rank(s))", flush=True)
-    for e, ep in enumerate(epochs):
-        if e < start:
+    commit = checkpoint.snapshot({"epoch": start}) if rebuild is not None else None
+    e = start
+    while e < len(epochs):
+        try:
+            losses = []
+            t0 = time.perf_counter()
+            with Progress(len(epochs[e]), f"epoch {e + 1}/{args.epochs}", mode) as pb:
+                for sel in epochs[e]:
+                    losses.append(float(synk_step(sel)))
+                    pb.step(losses[-1])
+            dt = time.perf_counter() - t0
+            acc, vloss = tr.evaluate(X_va_d, y_va_d)
+        except synk.RankLost as err:
+            if rebuild is None:
+                raise
+            t_fail, n_left = time.perf_counter(), ranks_left(err)
+            print(f"elastic: {type(err).__name__} in epoch {e + 1}: going on with {plural(n_left, 'rank')} from "
+                  f"the end of epoch {commit[0]['state']['epoch']}", flush=True)
+            tr, synk_step, X_va_d, y_va_d = rebuild(n_left)
+            e = int(checkpoint.restore(*commit)["epoch"])
+            print(f"elastic: training again {time.perf_counter() - t_fail:.1f} s after the loss (fork, build, "
+                  f"distribute, restore); epoch {e + 1} again", flush=True)
             continue
-        losses = []
-        t0 = time.perf_counter()
-        with Progress(len(ep), f"epoch {e + 1}/{args.epochs}", mode) as pb:
-            for sel in ep:
-                losses.append(float(synk_step(sel)))
-                pb.step(losses[-1])
-        dt = time.perf_counter() - t0
         t_synk.append(dt)
-        acc, vloss = tr.evaluate(X_va_d, y_va_d)
         print(f"epoch {e + 1:3d}/{args.epochs}  loss {losses[0]:.4f} -> {losses[-1]:.4f} "
               f"(mean {np.mean(losses):.4f})  valid loss {vloss:.4f}  valid acc {acc:.4f}  "
               f"[{dt:.3f} s]", flush=True)
+        e += 1
         if path is not None:
             os.makedirs(args.checkpoint, exist_ok=True)
-            synk.save(path, state={"epoch": e + 1, "seed": args.seed, "ranks": synk.session_info().n})
+            synk.save(path, state={"epoch": e, "seed": args.seed, "ranks": synk.session_info().n})
+        if rebuild is not None:
+            commit = checkpoint.snapshot({"epoch": e})
     if not t_synk:
         raise SystemExit(f"nothing to train: the checkpoint has all {args.epochs} epoch(s) done")
-    return t_synk, losses
+    return t_synk, losses, (tr, X_va_d, y_va_d)
+
+
+def ranks_left(err):
+    """The ranks left after ``err`` (a ``RankLost``) in the session it closed."""
+    import synkhronos as synk
+    info = synk.session_info()
+    n = info.n if info is not None else 0
+    return max(1, n - max(1, len(getattr(err, "ranks", ()) or ())))
 
 
 def serial_only(args, mode, tr, n_train, B, X_te, y_te, cores):

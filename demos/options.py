@@ -111,6 +111,10 @@ def make_parser(doc, *, epochs, batch_size, learning_rates=None):
     p.add_argument("--resume", action="store_true",
                    help="continue the data-parallel run from DIR/checkpoint.npz (--checkpoint DIR), "
                         "at any number of ranks; the serial baseline still runs in full")
+    p.add_argument("--elastic", action="store_true",
+                   help="a lost worker does not end the data-parallel run: it goes on with the ranks "
+                        "left from the end of the last epoch, with the same global batches "
+                        "(synkhronos.checkpoint in memory; data pattern 'batch' only)")
     p.add_argument("--timeline", default=None, metavar="FILE",
                    help="write a Chrome/Perfetto trace of every rank to FILE when the run ends "
                         "(synk.fork(timeline=...)); default: none")
@@ -124,6 +128,8 @@ def make_parser(doc, *, epochs, batch_size, learning_rates=None):
 def parse(p, argv=None):
     """Parse (values were checked by their types) and fill in the rule's learning rate."""
     a = p.parse_args(argv)
+    if a.elastic and a.data_pattern != "batch":
+        p.error("--elastic needs --data-pattern batch (the scatter pattern's shards depend on the ranks)")
     if a.resume and not a.checkpoint:
         p.error("--resume needs --checkpoint DIR (where the checkpoint is)")
     if not hasattr(a, "image_size"):

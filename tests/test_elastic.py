@@ -92,3 +92,44 @@ def test_limits_end_the_run(assert_clean):
     with pytest.raises(TypeError, match="elastic.State"):
         elastic.run(setup, make_loop(), {"step": 0})
     assert_clean()
+
+
+def test_demo_killed_worker_continues_to_the_same_accuracy():
+    """demos/mnist_mlp.py --elastic at 2 ranks: a worker killed (SIGKILL) after epoch 3 of
+    12; the run goes on at 1 rank from the end of the last epoch and reaches the accuracy
+    of the undisturbed run; the time lost is printed."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    pytest.importorskip("sklearn")
+    demo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demos", "mnist_mlp.py")
+    cmd = [sys.executable, demo, "--n-parallel", "2", "--epochs", "12", "--hidden", "256", "--no-progress",
+           "--elastic"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("SYNK_MODE", None)
+    result = re.compile(r"RESULT: test accuracy ([0-9.]+)")
+    undisturbed = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert undisturbed.returncode == 0, undisturbed.stdout[-3000:] + undisturbed.stderr[-3000:]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    out, killed = [], None
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            if killed is None and line.startswith("epoch   3/12"):
+                killed = tu.worker_children(proc.pid)[0]
+                os.kill(killed, signal.SIGKILL)
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(out)
+    assert proc.returncode == 0 and killed is not None, text[-4000:]
+    assert "elastic: WorkerDied in epoch" in text and "going on with 1 rank from the end of epoch" in text, text
+    lost = re.search(r"elastic: training again ([0-9.]+) s after the loss", text)
+    assert lost and float(lost.group(1)) < 60, text
+    assert "epoch  12/12" in text
+    got = float(result.search(text).group(1))
+    want = float(result.search(undisturbed.stdout).group(1))
+    assert abs(got - want) <= 0.005, (got, want)
