@@ -143,16 +143,29 @@ def test_bad_files_change_nothing(saved, tmp_path):
         synk.close()
 
 
-def test_numba_checkpoint_resumes_on_jax_ranks(saved):
+def test_numba_checkpoint_resumes_on_jax_ranks_and_back(saved, tmp_path):
     """A checkpoint written by numba CPU ranks loads into JAX ranks (the device the values
-    live on is not part of the file) and the run continues to rounding."""
+    live on is not part of the file) and the run continues to rounding; what the JAX ranks
+    save loads into numba ranks again."""
     pytest.importorskip("jax")
+    back = str(tmp_path / "from_jax.npz")
     synk.fork(2, mode="JAX", use_gpu=False)
     try:
-        step, probe, pr, X_s, _ = build()
+        step, probe, pr, X_s, params = build()
         synk.load(saved["path"])
         np.testing.assert_array_equal(synk.gather(pr), [[1.0, 1.0], [2.0, 2.0]])
         np.testing.assert_allclose(steps(step), saved["after"], rtol=1e-12)
+        synk.save(back)
+        on_jax = [np.array(p.get_value()) for p in params]
+    finally:
+        synk.close()
+    tu.fork(2)
+    try:
+        step, probe, pr, X_s, params = build()
+        synk.load(back)
+        for p, v in zip(params, on_jax):
+            np.testing.assert_array_equal(p.get_value(), v)
+        assert synk.get_lengths(X_s) == [5, 5]
     finally:
         synk.close()
 
