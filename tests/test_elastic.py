@@ -3,6 +3,8 @@ run) goes on from its last commit with the ranks that are left, and ends where t
 undisturbed run ends (the same global batches and learning rate: the same computation, to
 rounding); the restart is recorded with its time.  Float64, a tiny model, 12 steps, a
 commit every 2."""
+import signal
+
 import numpy as np
 import pytensor
 import pytensor.tensor as T
@@ -31,7 +33,7 @@ def setup(n):
     return step, [W, b], n
 
 
-def make_loop(kill_at=None):
+def make_loop(kill_at=None, how="kill"):
     killed = []
 
     def loop(model, state):
@@ -44,14 +46,17 @@ def make_loop(kill_at=None):
             if state.step % 2 == 0:
                 state.commit()
             if state.step == kill_at and not killed:
-                killed.append(tu.kill_rank(n - 1))
+                if how == "kill":
+                    killed.append(tu.kill_rank(n - 1))
+                else:                                  # frozen: WorkerStopped, at once
+                    killed.append(tu.signal_rank(n - 1, signal.SIGSTOP))
         return [np.array(p.get_value()) for p in params]
     return loop
 
 
-def run(n, kill_at=None, **kw):
+def run(n, kill_at=None, how="kill", **kw):
     state = elastic.State(step=0, losses=[], sizes=[])
-    params = elastic.run(setup, make_loop(kill_at), state, n_parallel=n, **kw)
+    params = elastic.run(setup, make_loop(kill_at, how), state, n_parallel=n, **kw)
     return params, state
 
 
@@ -60,14 +65,15 @@ def undisturbed():
     return run(3)
 
 
-def test_a_killed_worker_does_not_end_the_run(undisturbed, assert_clean):
-    params, state = run(3, kill_at=7)
+@pytest.mark.parametrize("how,error", [("kill", "WorkerDied"), ("stop", "WorkerStopped")])
+def test_a_lost_worker_does_not_end_the_run(undisturbed, assert_clean, how, error):
+    params, state = run(3, kill_at=7, how=how)
     ref_params, ref_state = undisturbed
     assert state.sizes == [3, 2] and state.step == STEPS
     assert len(state.restarts) == 1
     r = state.restarts[0]
     assert r["lost"] == [2] and r["ranks_before"] == 3 and r["ranks_after"] == 2
-    assert r["at"]["step"] == 7 and r["committed"]["step"] == 6 and "WorkerDied" in r["error"]
+    assert r["at"]["step"] == 7 and r["committed"]["step"] == 6 and error in r["error"]
     assert 0 < r["seconds_to_resume"] < 60
     np.testing.assert_allclose(state.losses, ref_state.losses, rtol=1e-10)
     for p, q in zip(params, ref_params):
