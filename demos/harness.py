@@ -267,6 +267,11 @@ def parallel_epochs(args, mode, tr, synk_step, epochs, X_va_d, y_va_d, rebuild=N
                     pb.step(losses[-1])
             dt = time.perf_counter() - t0
             acc, vloss = tr.evaluate(X_va_d, y_va_d)
+            if path is not None:
+                os.makedirs(args.checkpoint, exist_ok=True)
+                synk.save(path, state={"epoch": e + 1, "seed": args.seed, "ranks": synk.session_info().n})
+            if rebuild is not None:
+                commit = checkpoint.snapshot({"epoch": e + 1})
         except synk.RankLost as err:
             if rebuild is None:
                 raise
@@ -283,11 +288,6 @@ def parallel_epochs(args, mode, tr, synk_step, epochs, X_va_d, y_va_d, rebuild=N
               f"(mean {np.mean(losses):.4f})  valid loss {vloss:.4f}  valid acc {acc:.4f}  "
               f"[{dt:.3f} s]", flush=True)
         e += 1
-        if path is not None:
-            os.makedirs(args.checkpoint, exist_ok=True)
-            synk.save(path, state={"epoch": e, "seed": args.seed, "ranks": synk.session_info().n})
-        if rebuild is not None:
-            commit = checkpoint.snapshot({"epoch": e})
     if not t_synk:
         raise SystemExit(f"nothing to train: the checkpoint has all {args.epochs} epoch(s) done")
     return t_synk, losses, (tr, X_va_d, y_va_d)
