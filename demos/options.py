@@ -110,11 +110,11 @@ def make_parser(doc, *, epochs, batch_size, learning_rates=None):
                         "DIR/checkpoint.npz (synk.save: atomic); default: none")
     p.add_argument("--resume", action="store_true",
                    help="continue the data-parallel run from DIR/checkpoint.npz (--checkpoint DIR), "
-                        "at any number of ranks; the serial baseline still runs in full")
+                        "at any number of ranks; the serial baseline still runs in full; default: off")
     p.add_argument("--elastic", action="store_true",
                    help="a lost worker does not end the data-parallel run: it goes on with the ranks "
                         "left from the end of the last epoch, with the same global batches "
-                        "(synkhronos.checkpoint in memory; data pattern 'batch' only)")
+                        "(synkhronos.checkpoint in memory; data pattern 'batch' only); default: off")
     p.add_argument("--timeline", default=None, metavar="FILE",
                    help="write a Chrome/Perfetto trace of every rank to FILE when the run ends "
                         "(synk.fork(timeline=...)); default: none")

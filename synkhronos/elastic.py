@@ -73,7 +73,19 @@ class State:
         if self._path is not None:
             ckpt.save(self._path, self.counters())
 
-    def _restore(self):
+    def save_to(self, path):
+        """Write every commit to ``path`` too (``synk.save``); a commit found there is the
+        starting point (a run that resumes)."""
+        self.__dict__["_path"] = os.fspath(path) if path is not None else None
+        if self._path is not None and os.path.exists(self._path):
+            self.__dict__["_committed"] = ckpt.read(self._path)
+
+    def committed(self):
+        """The counters of the last commit (None before the first)."""
+        return None if self._committed is None else self._committed[0]["state"]
+
+    def restore(self):
+        """Every rank's variables and the counters back to the last commit."""
         counters = ckpt.restore(*self._committed, where="the last commit")
         for k, v in counters.items():
             setattr(self, k, v)
@@ -89,16 +101,14 @@ def run(setup, train, state, n_parallel=None, replace=False, min_ranks=1, max_re
     from . import session as sessions
     if not isinstance(state, State):
         raise TypeError(f"elastic.run needs an elastic.State, got {type(state).__name__}")
-    state.__dict__["_path"] = os.fspath(checkpoint) if checkpoint is not None else None
+    state.save_to(checkpoint)
     n_ask, failed = n_parallel, None
-    if state._path is not None and os.path.exists(state._path):
-        state.__dict__["_committed"] = ckpt.read(state._path)
     while True:
         n = sessions.fork(n_ask, **fork_kwargs)
         try:
             model = setup(n)
-            if state._committed is not None:
-                state._restore()
+            if state.committed() is not None:
+                state.restore()
             else:
                 state.commit()                       # the starting point
             if failed is not None:
@@ -113,11 +123,10 @@ def run(setup, train, state, n_parallel=None, replace=False, min_ranks=1, max_re
             lost = list(getattr(e, "ranks", ()) or ())
             left = n - max(1, len(lost))
             n_next = n if replace else left
-            if len(state.restarts) >= max_restarts or n_next < min_ranks or state._committed is None:
+            if len(state.restarts) >= max_restarts or n_next < min_ranks or state.committed() is None:
                 raise
             failed = {"lost": lost, "ranks_before": n, "ranks_after": n_next, "t": time.perf_counter(),
-                      "error": f"{type(e).__name__}: {e}",
-                      "at": state.counters(), "committed": state._committed[0]["state"]}
+                      "error": f"{type(e).__name__}: {e}", "at": state.counters(), "committed": state.committed()}
             print(f"synkhronos.elastic: {type(e).__name__}: {e}; continuing with {n_next} rank(s) from the "
                   f"last commit", file=sys.stderr, flush=True)
             n_ask = n_next

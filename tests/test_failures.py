@@ -353,7 +353,8 @@ def test_lifecycle_fork_close_fork(assert_clean):
 
 
 _MASTER_SCRIPT = textwrap.dedent("""
-    import json, time
+    import faulthandler, json, time
+    faulthandler.enable()            # (SIGABRT from the test: every thread's stack, if it hangs)
     import numpy as np
     import pytensor.tensor as T
     import synkhronos as synk
@@ -401,7 +402,12 @@ def test_master_crash_leaves_nothing(tmp_path, sig, target):
             os.killpg(proc.pid, sig)
         else:
             os.kill(proc.pid, sig)
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGABRT)
+            proc.wait(timeout=10)
+            pytest.fail(f"the master did not exit within 30 s of {sig!r}; its stacks:\n{out_path.read_text()[-6000:]}")
         t_dead = time.monotonic()
         if sig == signal.SIGKILL:
             assert proc.returncode == -signal.SIGKILL
