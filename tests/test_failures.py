@@ -372,6 +372,11 @@ _MASTER_SCRIPT = textwrap.dedent("""
     time.sleep(120)
 """)
 
+def _default_signals():
+    for s in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig,target", [
     pytest.param(signal.SIGKILL, "master", id="KILL-master"),
     pytest.param(signal.SIGTERM, "master", id="TERM-master"),
@@ -387,8 +392,11 @@ def test_master_crash_leaves_nothing(tmp_path, sig, target):
     out_path = tmp_path / "out.txt"
     info = None
     with open(out_path, "w") as out:
+        # (the signals at their defaults, as in a terminal: a runner started under ``nohup``
+        # would pass SIGHUP on ignored, and synkhronos leaves an ignored signal ignored)
         proc = subprocess.Popen([sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, cwd=str(tmp_path), start_new_session=True)
+                                stdin=subprocess.DEVNULL, cwd=str(tmp_path), start_new_session=True,
+                                preexec_fn=_default_signals)
     try:
         def started():
             return proc.poll() is not None or "SYNK-INFO " in out_path.read_text()
