@@ -36,7 +36,8 @@ at another world size (the mean of the saved ranks).
 
 Commits are kept in memory (``checkpoint.snapshot``: every rank's variables gathered to the
 master); ``checkpoint=PATH`` also writes each one to disk (``synk.save``), and a run started
-with such a file present resumes from it."""
+with such a file present resumes from it: the way on when a whole machine is lost under
+``mpiexec`` (MPICH ends the job; the script started again on the machines left goes on)."""
 import os
 import sys
 import time

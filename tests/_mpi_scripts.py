@@ -412,7 +412,39 @@ def scenario_resume(ckpt, trace, steps):
     _result(losses=losses, n=info.n)
 
 
+def scenario_elastic(ckpt, steps, pause):
+    """``synkhronos.elastic`` with its commits on disk (``ckpt``): a job that loses a whole
+    host ends, and the same script started again (on the hosts left) goes on from the last
+    commit.  Reports each step (``SYNK-INFO``), then the losses and parameters."""
+    import synkhronos as synk
+    from synkhronos import elastic
+    state = elastic.State(step=0, losses=[])
+
+    def setup(n):
+        model = ckpt_model()
+        synk.distribute()
+        return model
+
+    def loop(model, state):
+        step, params, X, Y = model
+        while state.step < int(steps):
+            state.losses = state.losses + [float(step(X, Y))]
+            state.step += 1
+            if state.step % 2 == 0:
+                state.commit()
+            _info(step=state.step, n=synk.session_info().n)
+            time.sleep(float(pause))
+        return [p.get_value().tolist() for p in params]
+
+    started_at = None
+    if os.path.exists(ckpt):
+        from synkhronos import checkpoint
+        started_at = checkpoint.read(ckpt)[0]["state"]["step"]
+    params = elastic.run(setup, loop, state, checkpoint=ckpt)
+    _result(losses=state.losses, params=params, started_at=started_at)
+
+
 if __name__ == "__main__":
     name, args = sys.argv[1], sys.argv[2:]
     {"features": scenario_features, "train": scenario_train, "fault": scenario_fault,
-     "ps": scenario_ps, "resume": scenario_resume}[name](*args)
+     "ps": scenario_ps, "resume": scenario_resume, "elastic": scenario_elastic}[name](*args)

@@ -272,3 +272,47 @@ def test_hosts_checkpoint_and_timeline(hosts, tmp_path):
     finally:
         synk.close()
     assert_hosts_clean(hosts)
+
+
+def test_hosts_elastic_whole_host_lost(hosts, tmp_path):
+    """``elastic.run(checkpoint=...)`` on two hosts loses the second host (its MPI process
+    killed: MPICH ends the job, every process on both hosts ends); the same script started
+    again on the host left goes on from the last commit on disk and ends where a run that
+    lost nothing ends (the same global batches: to rounding)."""
+    import numpy as np
+
+    import synkhronos as synk
+    from _mpi_scripts import ckpt_model
+    ck = str(tmp_path / "elastic.npz")
+    out = str(tmp_path / "progress.jsonl")
+    cmd = hosts.mpiexec_cmd(2, 1, [sys.executable, SCRIPT, "elastic", ck, "12", "0.3"], extra=("-prepend-rank",),
+                            env={"SYNK_RESULT_FILE": out})
+    p = hosts.popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert tu.wait_until(lambda: os.path.exists(out) and '"step": 5' in open(out).read(), 180), \
+            open(out).read() if os.path.exists(out) else "no progress"
+        agent = [pid for pid, cmd in hosts.processes("hB") if "_mpi_scripts.py" in cmd]
+        assert len(agent) == 1, hosts.processes()
+        os.kill(agent[0], signal.SIGKILL)
+        p.wait(timeout=60)
+        assert p.returncode != 0
+        assert_hosts_clean(hosts)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    progress = open(out).read()
+    assert '"step": 12' not in progress and '"n": 4' in progress
+    p2, _, res = run_local(1, "elastic", ck, "12", "0", timeout=180)
+    assert p2.returncode == 0 and res is not None, p2.stdout[-3000:] + p2.stderr[-3000:]
+    assert res["started_at"] in (4, 6), res["started_at"]
+    tu.fork(2)
+    try:
+        step, params, X, Y = ckpt_model()
+        synk.distribute()
+        ref = [float(step(X, Y)) for _ in range(12)]
+        ref_params = [p_.get_value() for p_ in params]
+    finally:
+        synk.close()
+    np.testing.assert_allclose(res["losses"], ref, rtol=1e-10)
+    for got, want in zip(res["params"], ref_params):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-10)
