@@ -30,7 +30,6 @@ check fails (``CheckpointError``, saying what); then it sets every variable and 
 functions were built in), and their names must agree where both have one.  Random-state
 shared variables (``RandomType``) are not tensors and are not saved."""
 import hashlib
-import io
 import json
 import os
 import secrets
@@ -153,9 +152,7 @@ def read(path):
     """``(manifest, {key: array})`` of a checkpoint file, every checksum verified;
     ``CheckpointError`` for a damaged or foreign file.  Needs no session."""
     try:
-        with open(os.fspath(path), "rb") as f:
-            raw = f.read()
-        with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+        with np.load(os.fspath(path), allow_pickle=False) as z:     # (each array read once)
             arrays = {k: z[k] for k in z.files}
     except FileNotFoundError:
         raise

@@ -118,7 +118,8 @@ class Stretches:
                     seen.add(v)
                     ins.append(v)
         outs = [o for o in made if o in self.outputs or any(c not in inside for c in consumers.get(o, ()))]
-        outs.sort(key=lambda o: (nodes.index(o.owner), o.index))
+        order = {n: i for i, n in enumerate(nodes)}
+        outs.sort(key=lambda o: (order[o.owner], o.index))
         fg = FunctionGraph(ins, outs, clone=True)
         fn = jax_funcify(fg)
         static_nums = tuple(i for i, v in enumerate(ins) if v in static)
