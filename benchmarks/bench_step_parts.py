@@ -5,6 +5,9 @@ through the public API only:
 * the gradient call alone (``step.grad_function``), the all-reduce of the flat gradient
   right after it (``synk.all_reduce``, the gradient freshly replaced: copy-in included),
   the update call alone (``step.update_function``), and the chained step (one round trip);
+* the sharded step (``shard_updates=True``: reduce-scatter, 1/n of Adam, all-gather, in
+  one call), and the bound of any data-parallel step of this model here: one call in which
+  each rank computes its gradient and the whole Adam update, nothing exchanged;
 * PyTensor in the master on the whole batch, with one and with two BLAS threads;
 * the chained step right after a two-thread PyTensor run, against right after a one-thread
   one: OpenBLAS keeps its second thread spinning for a while after a two-thread call,
@@ -42,6 +45,14 @@ def main():
         x = pt.matrix("x", dtype="float32")
         y, loss, params = models.build("mlp784", x)
         step = train.make_train_function(loss, params, [x, y], updates.adam, learning_rate=1e-3)
+        y_s, loss_s, params_s = models.build("mlp784", x)
+        sharded = train.make_train_function(loss_s, params_s, [x, y_s], updates.adam, learning_rate=1e-3,
+                                            shard_updates=True)
+        # the bound: each rank's own gradient and whole Adam update, nothing exchanged
+        y_b, loss_b, params_b = models.build("mlp784", x)
+        _, local_updates, _ = updates.adam(updates.Reduced(pytensor.grad(loss_b, params_b)), params_b,
+                                           learning_rate=1e-3)
+        local = synk.function([x, y_b], loss_b, updates=local_updates, name="no_exchange")
         synk.distribute()
         X, Y = models.model_data("mlp784", rng)
         Xd, Yd = synk.data(X), synk.data(Y)
@@ -70,7 +81,9 @@ def main():
             parts = {"gradient call": each(lambda i: step.grad_function(Xd, Yd, batch=i)),
                      "gradient call + all_reduce": each(grad_then_reduce),
                      "update call": each(lambda i: step.update_function()),
-                     "chained step (one round trip)": each(lambda i: step(Xd, Yd, batch=i))}
+                     "chained step (one round trip)": each(lambda i: step(Xd, Yd, batch=i)),
+                     "sharded step (shard_updates=True, one round trip)": each(lambda i: sharded(Xd, Yd, batch=i)),
+                     "bound: gradient + whole update per rank, no exchange": each(lambda i: local(Xd, Yd, batch=i))}
             for fn in parts.values():
                 fn()                                             # warm: JIT, caches
             row = {k: float(np.median(call_times(fn, args.reps))) / len(idxs) for k, fn in parts.items()}

@@ -169,7 +169,7 @@ def run(args, build_model, prepare=None):
         load_line, caveat = machine_load.load_verdict(s["busy_before"], busy_during, busy_after,
                                                       s["la0"], la1)
         print(load_line)
-        print(report.result(test_acc, s_ep, s1_ep, p_ep, cores, n, caveat, backend), flush=True)
+        print(report.result(test_acc, s_ep, s1_ep, p_ep, cores, n, caveat, backend, B), flush=True)
         return dict(test_acc=test_acc, serial_epoch=s_ep, serial1_epoch=s1_ep, synk_epoch=p_ep,
                     speedup=s_ep / p_ep, speedup_1thread=s1_ep / p_ep, jit_serial=s["jit"],
                     jit_synk=jit_synk, steps=steps, batch=B, n=n, param_diff=diff,

@@ -78,6 +78,10 @@ def make_parser(doc, *, epochs, batch_size, learning_rates=None):
                         "batch_s (default: %(default)s)")
     p.add_argument("--rule", choices=sorted(p.learning_rates), default="adam",
                    help="update rule of synkhronos.extensions.updates (default: %(default)s)")
+    p.add_argument("--shard-updates", action="store_true",
+                   help="shard the update rule's state and work over the ranks (ZeRO stage 1: "
+                        "each rank keeps and updates 1/n of it; make_train_function("
+                        "shard_updates=True); default: off, every rank keeps the whole state)")
     rates = ", ".join(f"{r} {v:g}" for r, v in sorted(p.learning_rates.items()))
     p.add_argument("--learning-rate", type=float, default=None, metavar="LR",
                    help=f"step size; default: per rule ({rates})")

@@ -57,11 +57,15 @@ def first_calls(jit_serial, jit_synk, t_build):
             f"synkhronos {jit_synk:.1f} s (graph build {t_build:.1f} s)")
 
 
-def result(test_acc, s_ep, s1_ep, p_ep, cores, n, caveat, backend="numba"):
+def result(test_acc, s_ep, s1_ep, p_ep, cores, n, caveat, backend="numba", batch=None):
     """The ``RESULT:`` line: test accuracy, median epoch of the serial runs (all cores, one
-    thread) and of the data-parallel run, the speedups, and ``caveat`` (the load's).  On
-    GPU ranks (``backend="gpu"``) the serial run is plain PyTensor JAX on one GPU; on JAX CPU
+    thread) and of the data-parallel run, the speedups, what they compare (``batch`` rows a
+    step, split over the ranks; one thread a rank) and ``caveat`` (the load's).  On GPU
+    ranks (``backend="gpu"``) the serial run is plain PyTensor JAX on one GPU; on JAX CPU
     ranks (``"jax"``) plain PyTensor JAX on the cores."""
+    if batch:
+        what = f" (batch {batch}: {batch // n} rows a rank" + ("" if backend == "gpu" else ", 1 thread each") + ")"
+        caveat = what + caveat
     if backend == "gpu":
         return (f"RESULT: test accuracy {test_acc:.4f} | time/epoch: plain PyTensor JAX {s_ep:.3f} s "
                 f"(one GPU); synkhronos ({plural(n, 'GPU rank')}) {p_ep:.3f} s | speedup {s_ep / p_ep:.2f}x "

@@ -50,7 +50,8 @@ class Training:
         nll_eval = -picked(logp_eval, y, classes)
         n_correct = pt.sum(pt.eq(pt.argmax(logp_eval, axis=-1), y))     # int64
         print(f"model: {model.description}; {n_params(model)} parameters, {dtype}")
-        print(f"training: {args.rule} lr={lr:g}, batch {B} ({B // n} per rank), "
+        sharded = ", state sharded over the ranks" if args.shard_updates else ""
+        print(f"training: {args.rule} lr={lr:g}{sharded}, batch {B} ({B // n} per rank), "
               f"{plural(args.epochs, 'epoch')}, data pattern '{args.data_pattern}'")
 
         base_rule = getattr(updates, args.rule)
@@ -63,13 +64,14 @@ class Training:
 
         if self.pattern == "batch":
             self.step = train.make_train_function(loss, model.params, [x, y], rule,
-                                                  learning_rate=lr)
+                                                  learning_rate=lr, shard_updates=args.shard_updates)
         else:
             self.X_s = pytensor.shared(np.zeros((0, self.X_tr.shape[1]), dtype), name="X_train_s")
             self.y_s = pytensor.shared(np.zeros(0, np.int32), name="y_train_s")
             self.step = train.make_train_function(loss, model.params, [], rule, learning_rate=lr,
                                                   givens=[(x, self.X_s), (y, self.y_s)],
-                                                  sliceable_shareds=[self.X_s, self.y_s])
+                                                  sliceable_shareds=[self.X_s, self.y_s],
+                                                  shard_updates=args.shard_updates)
         # sums, not averages: an int output with mode "avg" would be rounded
         self.f_eval = synk.function([x, y], outputs=[(n_correct, "sum"), (pt.sum(nll_eval), "sum")],
                                     name="evaluate")

@@ -17,7 +17,8 @@ Every variable is gathered from every rank and kept as one of three kinds:
   error-feedback residuals): stored stacked, one row per rank.  Loaded into as many ranks:
   each gets its own; into another number of ranks: every rank gets the mean of the saved
   ranks' values (rounded for integers), the documented rule.
-* ``sharded``: the ``sliceable_shareds`` of the session's functions (data shards), the
+* ``sharded``: the ``sliceable_shareds`` and ``sharded_shareds`` of the session's functions
+  (data shards, sharded optimizer state), the
   variables named in ``save(..., sharded=[...])``, and any whose shapes differ along axis 0
   between ranks: stored concatenated in rank order, with each rank's length; loaded by
   ``synk.scatter`` over the new ranks (even split, as ``scatter`` makes it).
@@ -71,7 +72,7 @@ def snapshot(state=None, sharded=()):
         raise TypeError(f"synk.save state must be JSON-serialisable (numbers, strings, lists, dicts), "
                         f"got {type(state).__name__}: {e}") from None
     variables = _tensor_shareds(session)
-    shards = {id(v) for f in session.functions for v in f.sliceable_shareds}
+    shards = {id(v) for f in session.functions for v in f.sharded_shareds}
     shards.update(id(v) for v in sharded)
     arrays, entries = {}, []
     if variables:

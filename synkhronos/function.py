@@ -39,7 +39,8 @@ class Function:
     whole by every rank; outputs are reduced by their mode; updates apply in every rank
     (on all ranks or, if any rank fails, on none)."""
 
-    def __init__(self, session, inputs, bcast_inputs, outputs, updates, givens, sliceable_shareds, kwargs):
+    def __init__(self, session, inputs, bcast_inputs, outputs, updates, givens, sliceable_shareds, kwargs,
+                 sharded_shareds=None):
         from pytensor.compile.sharedvalue import SharedVariable
         self._session = session
         self._inputs = as_list(inputs, "inputs")
@@ -64,6 +65,11 @@ class Function:
         missing = [v for v in sliceable if not any(v is s for s in shared_of_f)]
         if missing:
             raise ValueError(f"sliceable_shareds {missing} are not used by this function")
+        self._sharded = as_list(sharded_shareds, "sharded_shareds")
+        bad = [v for v in self._sharded if not any(v is s for s in shared_of_f) or v.ndim == 0]
+        if bad:
+            raise ValueError(f"sharded_shareds {bad} must be shared variables of at least 1 dimension "
+                             "that this function uses")
         f_s = None
         if sliceable:
             import pytensor.tensor as pt
@@ -91,6 +97,10 @@ class Function:
     output_modes = property(lambda self: list(self._output_modes), doc="reduce mode of each output")
     sliceable_shareds = property(lambda self: list(self._sliceable),
                                  doc="the shared variables ``batch_s`` selects rows of (data shards)")
+    sharded_shareds = property(lambda self: list(self._sliceable) + list(self._sharded),
+                               doc="the shared variables whose rows are split over the ranks (the "
+                                   "sliceable ones and those declared sharded): checkpoints store "
+                                   "them whole and split them again")
     update_modes = property(lambda self: list(self._update_modes),
                             doc="how each update accumulates over slices")
 
@@ -446,8 +456,11 @@ class Function:
 
 
 def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
-             sliceable_shareds=None, **kwargs):
+             sliceable_shareds=None, sharded_shareds=None, **kwargs):
     """Replacement for ``theano.function``: see ``Function``.  Call before ``distribute()``.
+
+    ``sharded_shareds``: shared variables that hold a different block of rows on each rank
+    (e.g. sharded optimizer state): checkpoints store them whole and split them again.
 
     Outputs may be ``(var, mode)`` with mode in avg (default), sum, prod, max, min, gather,
     None; updates may be ``(var, new, mode)`` triples (the mode accumulates over slices)."""
@@ -457,7 +470,8 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
                            "once. Build every function before calling synk.distribute() (or call "
                            "synk.close() and synk.fork() to start a new session).")
     with session.api():
-        f = Function(session, inputs, bcast_inputs, outputs, updates, givens, sliceable_shareds, kwargs)
+        f = Function(session, inputs, bcast_inputs, outputs, updates, givens, sliceable_shareds, kwargs,
+                     sharded_shareds)
         session.functions.append(f)
         return f
 

@@ -167,8 +167,9 @@ def scenario_features(n):
     _result(checks=ck.n, failed=ck.failed, n=n, hosts=sorted({r.host for r in info.ranks}))
 
 
-def scenario_train(n, steps):
-    """An MLP trained with the training kit, against the same training in one process."""
+def scenario_train(n, steps, rule="momentum", shard="0"):
+    """An MLP trained with the training kit, against the same training in one process
+    (``shard`` "1": the rule's state sharded over the ranks, whose lengths are reported)."""
     import pytensor
     import pytensor.tensor as T
     import synkhronos as synk
@@ -183,9 +184,11 @@ def scenario_train(n, steps):
     W2 = pytensor.shared(rng.standard_normal((16, 3)) * 0.3, name="W2")
     p = T.special.softmax(T.tanh(x.dot(W1)).dot(W2), axis=1)
     loss = -T.mean(T.log(p[T.arange(yv.shape[0]), yv]))
-    step = train.make_train_function(loss, [W1, W2], [x, yv], updates.momentum, learning_rate=0.1)
+    step = train.make_train_function(loss, [W1, W2], [x, yv], getattr(updates, rule), learning_rate=0.1,
+                                     shard_updates=shard == "1")
     synk.distribute()
     start = step.snapshot()
+    lengths = [synk.get_lengths(v) for v in getattr(step, "sharded_vars", [])]
     order = [rng.permutation(96)[:48] for _ in range(int(steps))]
     losses = [float(step(X, Y, batch=idx)) for idx in order]
     par = [synk.get_value(r, W1) for r in range(info.n)]
@@ -197,7 +200,7 @@ def scenario_train(n, steps):
     _result(loss_first=losses[0], loss_last=losses[-1], serial_last=serial[-1],
             loss_diff=max(abs(a - b) for a, b in zip(losses, serial)),
             param_diff=max(float(np.max(np.abs(a - b))) for a, b in zip(synk_params, ser_params)),
-            ranks_agree=max(float(np.max(np.abs(par[r] - par[0]))) for r in range(info.n)))
+            ranks_agree=max(float(np.max(np.abs(par[r] - par[0]))) for r in range(info.n)), lengths=lengths)
 
 
 def scenario_fault(n, what):

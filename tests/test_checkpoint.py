@@ -191,3 +191,37 @@ def test_demo_resumes_at_another_size(tmp_path):
     assert "epoch   1/2" not in outs[1] and "epoch   2/2" in outs[1], outs[1]
     m = re.search(r"synk vs serial after [0-9]+ steps: .* max \|param difference\| ([0-9.e+-]+)", outs[1])
     assert m and float(m.group(1)) < 1e-4, outs[1]
+
+
+def test_sharded_state_resumes_at_other_world_sizes(tmp_path):
+    """Saved at 2 ranks after 2 steps; 3 more steps there are the reference; loaded at 3
+    ranks (blocks 29/29/29) and at 1, the same 3 steps continue it to float32 rounding."""
+    from test_sharded_updates import BATCH, blocks, build_steps
+    from test_updates import ATOL, RTOL, make_data
+    path = str(tmp_path / "sharded.npz")
+    X, Y = make_data(BATCH, seed=4)
+    tu.fork(2)
+    try:
+        step = build_steps(["adam"], "_ck")["adam"]
+        synk.distribute()
+        for _ in range(2):
+            step(X, Y)
+        synk.save(path)
+        ref = [float(step(X, Y)) for _ in range(3)]
+        ref_params = [p.get_value() for p in step.params]
+    finally:
+        synk.close()
+    for n in (3, 1):
+        tu.fork(n)
+        try:
+            step = build_steps(["adam"], "_ck")["adam"]
+            synk.distribute()
+            synk.load(path)
+            for v in step.sharded_vars:
+                assert synk.get_lengths(v) == blocks(n)
+            got = [float(step(X, Y)) for _ in range(3)]
+            np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=f"at {n} ranks")
+            for p, want in zip(step.params, ref_params):
+                np.testing.assert_allclose(p.get_value(), want, rtol=RTOL, atol=ATOL)
+        finally:
+            synk.close()

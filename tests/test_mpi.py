@@ -54,6 +54,16 @@ def test_local_training_equals_serial():
     assert res["loss_diff"] < 1e-12 and res["param_diff"] < 1e-12 and res["ranks_agree"] == 0.0
 
 
+def test_hosts_sharded_updates_equal_serial(hosts):
+    """ZeRO-1 across machines: Adam's state split over the 4 ranks of two hosts (blocks of
+    the 176 parameters: 44 each), the step equal to serial training."""
+    p, info, res = run_hosts(hosts, "train", "auto", "8", "adam", "1")
+    assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
+    assert res["lengths"] == [[44, 44, 44, 44]] * 2, res["lengths"]
+    assert res["loss_diff"] < 1e-12 and res["param_diff"] < 1e-12 and res["ranks_agree"] == 0.0
+    assert_hosts_clean(hosts)
+
+
 @pytest.mark.parametrize("what,exc", [("kill", "WorkerDied"), ("stop", "WorkerStopped")])
 def test_local_rank_lost_in_another_group(what, exc):
     p, info, res = run_local(2, "fault", "4", what)

@@ -6,9 +6,9 @@ the exchange strategies it can use.
     synk.distribute()
     loss_value = step(x_data, y_data, batch=idx)
 
-``exchange`` is imported here so that its strategies' builders are registered whichever
-of these modules is imported first.
+``exchange`` and ``sharded`` are imported here so that their builders are registered
+whichever of these modules is imported first.
 """
-from . import exchange, train, updates
+from . import exchange, sharded, train, updates
 
-__all__ = ["updates", "train", "exchange"]
+__all__ = ["updates", "train", "exchange", "sharded"]

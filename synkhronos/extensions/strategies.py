@@ -7,7 +7,7 @@ themselves when that package is imported, so this module sits below both: ``trai
 imports the strategies' implementations, and nothing here imports ``train``."""
 from dataclasses import dataclass
 
-__all__ = ["Fp16", "EASGD", "LocalSGD", "parse_strategy", "register", "builder"]
+__all__ = ["Fp16", "EASGD", "LocalSGD", "ShardedUpdates", "parse_strategy", "register", "builder"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,13 @@ class LocalSGD:
     (``also``: more shared variables averaged with them, e.g. the update rule's state)."""
     k: int = 8
     also: tuple = ()
+
+
+@dataclass(frozen=True)
+class ShardedUpdates:
+    """Synchronous training with the update rule's state and work split over the ranks
+    (ZeRO stage 1; ``make_train_function(shard_updates=True)``, built by
+    ``synkhronos.extensions.sharded``)."""
 
 
 def parse_strategy(exchange, compress, error_feedback):

@@ -188,7 +188,8 @@ class TrainFunction:
 
 def make_train_function(loss, params, inputs=None, *args, update_rule=None, x=None, y=None,
                         bcast_inputs=None, givens=None, sliceable_shareds=None, name="train",
-                        compress=None, error_feedback=True, exchange=None, **kwargs):
+                        compress=None, error_feedback=True, exchange=None, shard_updates=False,
+                        **kwargs):
     """Build the two synkhronos functions of a data-parallel training step.
 
     ``make_train_function(loss, params, inputs, update_rule, *args, **kwargs)``:
@@ -205,8 +206,18 @@ def make_train_function(loss, params, inputs=None, *args, update_rule=None, x=No
     ``Fp16(...)`` (float16 gradient all-reduce; also ``compress="fp16"``, with
     ``error_feedback``), ``"easgd"`` or ``EASGD(tau, alpha)``, ``"local"`` or
     ``LocalSGD(k)`` (``synkhronos.extensions.exchange``, which builds those steps; it is
-    also ``exchange.make_train_function``)."""
+    also ``exchange.make_train_function``).
+
+    ``shard_updates=True`` shards the rule's state and work over the ranks (ZeRO stage 1,
+    ``synkhronos.extensions.sharded``): each rank keeps and updates 1/n of it, the gradient
+    is reduce-scattered and the new parameters all-gathered, all in one function
+    (``num_slices`` must then be 1); the bsp exchange only."""
     strategy = strategies.parse_strategy(exchange, compress, error_feedback)
+    if shard_updates and strategy is not None:
+        raise ValueError(f"shard_updates=True works with the synchronous (bsp) exchange only, not "
+                         f"{type(strategy).__name__}")
+    if shard_updates:
+        strategy = strategies.ShardedUpdates()
     if strategy is not None:
         build = strategies.builder(strategy)
         return build(strategy, loss, params, inputs, *args, update_rule=update_rule, x=x, y=y,

@@ -42,7 +42,7 @@ from pytensor.scalar import upcast
 __all__ = ["sgd", "momentum", "nesterov_momentum", "apply_momentum", "apply_nesterov_momentum",
            "adagrad", "rmsprop", "adadelta", "adam", "adamax", "sgd_nonflat",
            "flatten_vars", "unflatten_vars", "vars_flat_size", "flat_unflat_grads",
-           "nonflat_grads"]
+           "nonflat_grads", "Reduced"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -83,7 +83,8 @@ class _Default(float):
 _MOMENTUM = _Default(0.9)
 
 
-def _check_params(params):
+def check_params(params):
+    """``params`` as a list of float shared variables, each once (TypeError/ValueError otherwise)."""
     if isinstance(params, (SharedVariable, Variable)):
         params = [params]
     params = list(params)
@@ -171,7 +172,7 @@ def flat_unflat_grads(loss, params):
     per-parameter gradients read from ``grad_shared`` (what parameter updates use, after
     the all-reduce).  ``loss`` (also accepted as ``loss_or_grads=``): a scalar loss, or a
     list of gradient expressions (one per parameter)."""
-    params = _check_params(params)
+    params = check_params(params)
     dtype = upcast(*[p.dtype for p in params])
     flat_grad = flatten_vars(_grads(loss, params), dtype)
     grad_shared = pytensor.shared(np.zeros(vars_flat_size(params), dtype=dtype), name="flat_grad_s")
@@ -186,14 +187,25 @@ def nonflat_grads(loss, params):
     ``synk.all_reduce(grads_shared)`` then makes one collective per parameter (the flat
     vector of ``flat_unflat_grads`` needs only one).  ``loss`` (also ``loss_or_grads=``):
     a scalar loss, or a list of gradient expressions."""
-    params = _check_params(params)
+    params = check_params(params)
     grads = [_cast_like(g, p) for g, p in zip(_grads(loss, params), params)]
     grads_shared = [_state_like(p, "grad") for p in params]
     return grads_shared, grads
 
 
+class Reduced(list):
+    """Gradients already reduced over the ranks, one expression per parameter: a rule given
+    ``Reduced([g, ...])`` in place of the loss reads them directly and makes no gradient
+    shared variable (its ``grad_updates`` are empty, its ``grad_shared`` None).  Sharded
+    updates (``synkhronos.extensions.sharded``) pass each rank's block of the averaged flat
+    gradient this way."""
+
+
 def _prepare(loss, params):
-    params = _check_params(params)
+    params = check_params(params)
+    if isinstance(loss, Reduced):
+        grads = [_cast_like(g, p) for g, p in zip(_grads(list(loss), params), params)]
+        return params, grads, [], None
     grad_shared, flat_grad, grads = flat_unflat_grads(loss, params)
     return params, grads, [(grad_shared, flat_grad)], grad_shared
 
@@ -351,7 +363,7 @@ def adam(loss, params, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8
     """Adam: ``m <- b1 m + (1 - b1) g``, ``v <- b2 v + (1 - b2) g**2``,
     ``param <- param - lr sqrt(1 - b2**t) / (1 - b1**t) * m / (sqrt(v) + eps)``."""
     params, grads, grad_updates, grad_shared = _prepare(loss, params)
-    t_prev, t = _time_step(grad_shared.dtype)
+    t_prev, t = _time_step(upcast(*[p.dtype for p in params]))
     param_updates = []
     for p, g in zip(params, grads):
         dt = p.dtype
@@ -373,7 +385,7 @@ def adamax(loss, params, learning_rate=0.002, beta1=0.9, beta2=0.999, epsilon=1e
     """Adamax: ``m <- b1 m + (1 - b1) g``, ``u <- max(b2 u, |g|)``,
     ``param <- param - lr / (1 - b1**t) * m / (u + eps)``."""
     params, grads, grad_updates, grad_shared = _prepare(loss, params)
-    t_prev, t = _time_step(grad_shared.dtype)
+    t_prev, t = _time_step(upcast(*[p.dtype for p in params]))
     param_updates = []
     for p, g in zip(params, grads):
         dt = p.dtype
@@ -395,7 +407,7 @@ def sgd_nonflat(loss, params, learning_rate):
     """SGD with one gradient shared variable per parameter (``nonflat_grads``) instead of
     the flat vector: ``grad_shared`` is a list, all-reduced as a list (one collective per
     parameter).  The original kept it to measure what flattening gains."""
-    params = _check_params(params)
+    params = check_params(params)
     grads_shared, grads = nonflat_grads(loss, params)
     grad_updates = list(zip(grads_shared, grads))
     param_updates = [(p, _cast_like(p - _const(learning_rate, p.dtype) * g, p))
