@@ -459,8 +459,8 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
              sliceable_shareds=None, sharded_shareds=None, **kwargs):
     """Replacement for ``theano.function``: see ``Function``.  Call before ``distribute()``.
 
-    ``sharded_shareds``: shared variables that hold a different block of rows on each rank
-    (e.g. sharded optimizer state): checkpoints store them whole and split them again.
+    ``sharded_shareds``: variables holding a block of rows per rank (sharded optimizer state):
+    ``distribute()`` splits the master's whole value as ``synk.scatter``; checkpoints too.
 
     Outputs may be ``(var, mode)`` with mode in avg (default), sum, prod, max, min, gather,
     None; updates may be ``(var, new, mode)`` triples (the mode accumulates over slices)."""
@@ -548,7 +548,11 @@ def distribute():
         me.comm.setup(n_keys, _names(shareds))   # before the workers attach to what it creates
         session.execute("distribute", (payload, n_keys), what="distribute", patient=True)
         session.distributed = True
-        print(f"...distribution complete ({time.perf_counter() - t0:.1f} s).", flush=True)
+    sharded = list({id(v): v for f in session.functions for v in f._sharded}.values())
+    if sharded:             # each rank its block of what the master held whole
+        from . import collectives
+        collectives.scatter(sharded, [session.device.get(v) for v in sharded])
+    print(f"...distribution complete ({time.perf_counter() - t0:.1f} s).", flush=True)
 
 
 def _names(shareds):

@@ -48,6 +48,14 @@ def session(request):
         synk.close()
 
 
+def test_distribute_splits_the_state(session):
+    """Right after ``distribute()``, before any step: each rank holds its block only."""
+    n, steps = session
+    for step in steps.values():
+        for v in step.sharded_vars:
+            assert synk.get_lengths(v) == blocks(n), v.name
+
+
 @pytest.mark.parametrize("name", list(RULES))
 def test_rule_tracks_the_reference(session, name):
     n, steps = session
@@ -93,6 +101,14 @@ def test_refused_before_any_rank_runs(session):
     X, Y = make_data(BATCH)
     with pytest.raises(ValueError, match="num_slices"):
         steps["sgd"](X, Y, num_slices=2)
+    if n > 1:                          # a rank without rows could not meet the others
+        with pytest.raises(ValueError, match="in-graph collectives"):
+            steps["sgd"](X[:n - 1], Y[:n - 1])
+    before = [np.asarray(p.get_value(), dtype=np.float64) for p in steps["sgd"].params]
+    loss = steps["sgd"](X[:n], Y[:n])  # one row a rank
+    ref_loss, grads = np_loss_grads(before, X[:n], Y[:n])
+    assert float(loss) == pytest.approx(ref_loss, rel=1e-5)
+    check_params(steps["sgd"], NumpyRule("sgd", **RULES["sgd"]).step(before, grads))
     x, y = pt.matrix("x", dtype="float32"), pt.ivector("y")
     loss, params = build_model(x, y, "refused")
     with pytest.raises(ValueError, match="bsp"):

@@ -18,9 +18,10 @@ shared variable).  The results equal the plain step's: the rules are elementwise
 average the same gradients in the same order.
 
 The rule's per-rank state (``sharded_vars``) is declared to ``synk.function`` as
-``sharded_shareds``: checkpoints store it whole, in rank order, and split it again for
-any number of ranks; ``snapshot``/``restore`` gather and scatter it.  Replicated state
-(Adam's step count) stays whole on every rank."""
+``sharded_shareds``: made whole in the master, split over the ranks by ``distribute()``;
+checkpoints store it whole, in rank order, and split it again for any number of ranks;
+``snapshot``/``restore`` gather and scatter it.  Replicated state (Adam's step count)
+stays whole on every rank."""
 import numpy as np
 import pytensor
 from pytensor.graph.replace import clone_replace
@@ -61,7 +62,7 @@ def flat_rule(update_rule, grad, params_flat, length, name, args, kwargs):
     return outs[0], list(zip([v for v, _ in state], outs[1:]))
 
 
-def sharded_rule(update_rule, loss, params, args, kwargs, n):
+def sharded_rule(update_rule, loss, params, args, kwargs):
     """``(param_updates, sharded_state, state_updates)``: the rule applied to this rank's
     block of the flattened parameters and of the reduced gradient, the new blocks gathered."""
     dtype = upcast(*[p.dtype for p in params])
@@ -69,7 +70,8 @@ def sharded_rule(update_rule, loss, params, args, kwargs, n):
     start, stop = block_bounds(N)
     g_block = ops.reduce_scatter(updates.flatten_vars(pytensor.grad(loss, params), dtype), op="avg")
     p_block = updates.flatten_vars(params, dtype)[start:stop]
-    new_block, state_updates = flat_rule(update_rule, g_block, p_block, N // n, "params_block", args, kwargs)
+    # the state is made whole (N) in the master; distribute() gives each rank its block
+    new_block, state_updates = flat_rule(update_rule, g_block, p_block, N, "params_block", args, kwargs)
     new_flat = ops.all_gather(new_block)
     param_updates = list(zip(params, updates.unflatten_vars(new_flat, params)))
     sharded = [v for v, _ in state_updates if v.type.ndim == 1 and v.type.shape == (None,)]
@@ -98,7 +100,6 @@ class ShardedTrainFunction(TrainFunction):
         self.grad_shared, self.state_updates = None, list(state_updates)
         self.sharded_vars = list(sharded_vars)
         self._serial_builder, self._serial = serial_builder, None
-        self._sized = False
 
     def __call__(self, *data, batch=None, num_slices=1, **call_kwargs):
         """One data-parallel step (as ``TrainFunction``); ``num_slices`` must be 1: the
@@ -108,25 +109,7 @@ class ShardedTrainFunction(TrainFunction):
                              f"cannot accumulate over num_slices={num_slices}; use num_slices=1 (or a "
                              "smaller batch), or shard_updates=False")
         data, call_kwargs = legacy_data_names("the training step", self.inputs, data, call_kwargs)
-        if not self._sized:
-            self._size_blocks()
         return self.grad_function(*data, batch=batch, **call_kwargs)
-
-    def _size_blocks(self):
-        """Once distributed: every rank's block of the rule's state its own length (they
-        start as the master's block, rank 0's); state a checkpoint already split is kept."""
-        session = get_session()
-        if not session.distributed or not self.sharded_vars:
-            self._sized = True
-            return
-        lengths = synk.get_lengths(self.sharded_vars)
-        lengths = [lengths] if len(self.sharded_vars) == 1 else list(lengths)
-        N = updates.vars_flat_size(self.params)
-        want = [((r + 1) * N) // session.n - (r * N) // session.n for r in range(session.n)]
-        stale = [v for v, got in zip(self.sharded_vars, lengths) if list(got) != want]
-        if stale:
-            synk.scatter(stale, [np.zeros(N, v.type.dtype) for v in stale])
-        self._sized = True
 
     def serial(self, *arrays, **named):
         """The same step as plain PyTensor in the master, on the whole batch (compiled at the
@@ -143,7 +126,6 @@ class ShardedTrainFunction(TrainFunction):
         """Copies of ``state_vars``: sharded state gathered whole, in rank order."""
         if not self._distributed():
             return super().snapshot()
-        self._size_blocks()
         sharded = {id(v) for v in self.sharded_vars}
         whole = dict(zip(map(id, self.sharded_vars), _as_tuple(synk.gather(self.sharded_vars, nd_up=0))))
         return [np.array(whole[id(v)] if id(v) in sharded else v.get_value(borrow=True), copy=True)
@@ -164,7 +146,6 @@ class ShardedTrainFunction(TrainFunction):
         split = [(v, val) for v, val in zip(self.state_vars, values) if id(v) in sharded]
         if split:
             synk.scatter([v for v, _ in split], [np.asarray(val) for _, val in split])
-        self._sized = True
         if self._serial is not None:          # the serial reference's own copy of the state
             values_of = {id(v): val for v, val in zip(self.state_vars, values)}
             for mine, theirs in zip(self._serial[1], [v for v, _ in self.state_updates]):
@@ -191,9 +172,8 @@ def make_sharded_train_function(strategy, loss, params, inputs=None, *args, upda
     if update_rule is updates.sgd_nonflat:
         raise ValueError("shard_updates=True shards the flat gradient vector; sgd_nonflat keeps one "
                          "gradient per parameter: use updates.sgd")
-    session = get_session()
     params = updates.check_params(params)
-    param_updates, sharded, state_updates = sharded_rule(update_rule, loss, params, args, kwargs, session.n)
+    param_updates, sharded, state_updates = sharded_rule(update_rule, loss, params, args, kwargs)
     all_inputs = list(inputs) + list(bcast_inputs or [])
     f = synk.function(inputs, outputs=loss, bcast_inputs=bcast_inputs,
                       updates=param_updates + state_updates, givens=givens,
