@@ -249,7 +249,7 @@ class TorchContender:
 
 
 def contender_labels(cores, with_torch):
-    labels = ["synk n=2", f"PyTensor {cores} threads", "PyTensor 1 thread"]
+    labels = ["synk n=2", "synk n=2 sharded", f"PyTensor {cores} threads", "PyTensor 1 thread"]
     if with_torch:
         labels += [f"PyTorch {cores} threads", "PyTorch 1 thread", "PyTorch DDP 2x1"]
     return labels
@@ -257,9 +257,10 @@ def contender_labels(cores, with_torch):
 
 def contenders(models, batches, reps, n_steps, cores, rule, tc, progress):
     """Time per step of every contender at every (model, batch), in one n=2 session: synk
-    n=2, PyTensor in the master (all cores' BLAS threads, and one), and through ``tc`` (a
-    ``TorchContender`` or None) PyTorch in one process (all cores' threads, and one) and
-    DDP 2 x 1 thread.  All take turns within each repetition."""
+    n=2 (the plain step, and with ``shard_updates=True``), PyTensor in the master (all
+    cores' BLAS threads, and one), and through ``tc`` (a ``TorchContender`` or None) PyTorch
+    in one process (all cores' threads, and one) and DDP 2 x 1 thread.  All take turns
+    within each repetition."""
     import pytensor
     pytensor.config.floatX = "float32"
     import pytensor.tensor as pt
@@ -274,12 +275,16 @@ def contenders(models, batches, reps, n_steps, cores, rule, tc, progress):
     out = {}
     synk.fork(2)
     try:
-        steps = {}
+        steps, sharded = {}, {}
         for model in models:
             x = pt.matrix("x", dtype="float32")
             y, loss, params = build(model, x)
             steps[model] = train.make_train_function(loss, params, [x, y], getattr(updates, rule),
                                                      learning_rate=lr, name=model)
+            y, loss, params = build(model, x)
+            sharded[model] = train.make_train_function(loss, params, [x, y], getattr(updates, rule),
+                                                       learning_rate=lr, name=f"{model}_sharded",
+                                                       shard_updates=True)
         synk.distribute()
         for model in models:
             step = steps[model]
@@ -292,6 +297,8 @@ def contenders(models, batches, reps, n_steps, cores, rule, tc, progress):
             for B in batches:
                 idxs = [rng.permutation(N_ROWS)[:B] for _ in range(k)]
                 runners = [timed(lambda idx, step=step, Xd=Xd, Yd=Yd: step(Xd, Yd, batch=idx), idxs),
+                           timed(lambda idx, step=sharded[model], Xd=Xd, Yd=Yd: step(Xd, Yd, batch=idx),
+                                 idxs),
                            timed(ser, idxs, lambda: threadpool_limits(limits=cores)),
                            timed(ser, idxs, lambda: threadpool_limits(limits=1))]
                 if tc is not None:
@@ -314,7 +321,7 @@ def report_contenders(times, models, batches, cores, rule, reps, n_steps, info, 
     labels = contender_labels(cores, info is not None)
     both = [c for c in labels if c.endswith(f"{cores} threads")]      # single process, all cores
     singles = [c for c in labels if "threads" in c or c.endswith("1 thread")]
-    who = "synkhronos n=2, PyTensor" + (", PyTorch" if info else "")
+    who = "synkhronos n=2 (plain and sharded updates), PyTensor" + (", PyTorch" if info else "")
     print(f"\nContenders: {who}; {rule} step incl. batch gather, float32; {cores} cores; "
           f"median of {reps} runs; load average {loads[0]} -> {loads[1]}")
     print("  CPU kept busy by other programs: "
@@ -324,7 +331,7 @@ def report_contenders(times, models, batches, cores, rule, reps, n_steps, info, 
               f"fused={info.get('impl') == 'fused'}; DDP: gloo over loopback, 2 processes x 1 thread")
     short = {f"PyTensor {cores} threads": f"PyTensor {cores}t", "PyTensor 1 thread": "PyTensor 1t",
              f"PyTorch {cores} threads": f"PyTorch {cores}t", "PyTorch 1 thread": "PyTorch 1t",
-             "PyTorch DDP 2x1": "DDP 2x1", "synk n=2": "synk n=2"}
+             "PyTorch DDP 2x1": "DDP 2x1", "synk n=2": "synk n=2", "synk n=2 sharded": "synk shard"}
     rows = []
     for unit, scale, title in (("samples/s", None, "throughput, samples/s"),
                                ("us", 1e6, "time per step, µs")):
@@ -367,7 +374,8 @@ def write_contenders(rows, models, batches, cores, rule, reps, n_steps, info, bu
     if plt is None:
         return
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.8), squeeze=False)
-    colors = {"synk n=2": "C0", f"PyTensor {cores} threads": "silver", "PyTensor 1 thread": "gray",
+    colors = {"synk n=2": "C0", "synk n=2 sharded": "C2", f"PyTensor {cores} threads": "silver",
+              "PyTensor 1 thread": "gray",
               f"PyTorch {cores} threads": "C3", "PyTorch 1 thread": "lightcoral",
               "PyTorch DDP 2x1": "C1"}
     by = {(r["model"], r["batch"]): r for r in rows}
@@ -522,8 +530,9 @@ def main():
     g.add_argument("--no-torch-contender", action="store_true",
                    help="the contenders' comparison without PyTorch, synk and PyTensor only "
                         "(implies --torch)")
-    g.add_argument("--torch-models", default="mlp784,tiny",
-                   help="comma-separated: mlp784 (784-512-512-10), tiny (16-16-2) "
+    g.add_argument("--torch-models", default="mlp784,mlp,tiny",
+                   help="comma-separated: mlp784 (784-512-512-10), mlp (the demo's 64-1024-1024-10), "
+                        "tiny (16-16-2) "
                         "(default: %(default)s)")
     g.add_argument("--torch-batches", default="64,256,1024",
                    help="batch sizes of the comparison (default: %(default)s)")

@@ -16,7 +16,7 @@ N_IN, N_ROWS = 64, 8192          # 8x8 images, enough rows for any batch here
 # ``sizes`` are the layer widths of a relu MLP (the last layer linear); ``steps_factor``
 # multiplies the steps per timed run (a tiny model's step is too short to time alone).
 MODELS = {
-    "mlp": dict(desc="MLP 64-1024-1024-10 (demos/mnist_mlp.py)", n_in=N_IN, n_out=10),
+    "mlp": dict(desc="MLP 64-1024-1024-10 (demos/mnist_mlp.py)", sizes=(N_IN, 1024, 1024, 10)),
     "cnn": dict(desc="CNN conv3x3(16)-pool-conv3x3(32)-pool-dense(128)-10 (demos/mnist_cnn.py)",
                 n_in=N_IN, n_out=10),
     "mlp784": dict(desc="MLP 784-512-512-10", sizes=(784, 512, 512, 10)),
