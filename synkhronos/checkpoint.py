@@ -28,8 +28,12 @@ this session's: same count, names, dtypes, and the shapes their values have now 
 master: whole, or per row for sharded variables) and changes nothing when one
 check fails (``CheckpointError``, saying what); then it sets every variable and returns
 ``state``.  Variables are matched by their position in the session (the order the
-functions were built in), and their names must agree where both have one.  Random-state
-shared variables (``RandomType``) are not tensors and are not saved."""
+functions were built in), and their names must agree where both have one.
+
+Random generators (``RandomType`` shared variables, one ``numpy.random.Generator`` per
+rank) are saved as each rank's bit generator state in the manifest (``random``); at
+another number of ranks, rank r continues saved rank r's stream and a rank beyond them
+gets a new independent one (``synkhronos.random_state``)."""
 import hashlib
 import json
 import os
@@ -37,6 +41,8 @@ import secrets
 import time
 
 import numpy as np
+
+from . import random_state
 
 FORMAT = "synkhronos-checkpoint"
 VERSION = 1
@@ -83,8 +89,11 @@ def snapshot(state=None, sharded=()):
             arrays[key] = arr
             entry.update(key=key, sha256=_digest(arr))
             entries.append(entry)
+    rngs = random_state.random_shareds(session)
+    per_var = random_state.states(session, [pos for pos, _ in rngs]) if rngs else []
+    randoms = [{"position": pos, "name": var.name, "states": sts} for (pos, var), sts in zip(rngs, per_var)]
     manifest = {"format": FORMAT, "version": VERSION, "n_ranks": session.n, "created": time.time(),
-                "variables": entries, "state": state_json}
+                "variables": entries, "random": randoms, "state": state_json}
     return manifest, arrays
 
 
@@ -191,8 +200,34 @@ def restore(manifest, arrays, where="the snapshot"):
     from .session import get_session
     session = get_session(True)
     plan = _plan(where, manifest, arrays, _tensor_shareds(session))
+    randoms = _plan_random(where, manifest, random_state.random_shareds(session), session.n)
     _apply(session, plan)
+    if randoms:
+        random_state.set_states(session, *zip(*randoms))
     return manifest.get("state")
+
+
+def _plan_random(path, manifest, variables, n):
+    """``[(position, states of the n ranks)]`` of the generators; [] for a checkpoint
+    written before generators were saved (they are left as they are)."""
+    if "random" not in manifest:
+        return []
+    entries = manifest["random"]
+    if len(entries) != len(variables):
+        raise CheckpointError(f"{path} holds {len(entries)} random generators, this session's functions own "
+                              f"{len(variables)}: not a checkpoint of these functions")
+    plan = []
+    for e, (pos, var) in zip(entries, variables):
+        if e.get("name") and var.name and e["name"] != var.name:
+            raise CheckpointError(f"{path}: random generator {_label(e)} is {var.name!r} in this session")
+        states = random_state.resized(e["states"], n)
+        for st in states:
+            try:
+                random_state.generator(st)
+            except ValueError as err:
+                raise CheckpointError(f"{path}: random generator {_label(e)}: {err}") from None
+        plan.append((pos, states))
+    return plan
 
 
 def _label(e):

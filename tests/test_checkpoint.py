@@ -225,3 +225,71 @@ def test_sharded_state_resumes_at_other_world_sizes(tmp_path):
                 np.testing.assert_allclose(p.get_value(), want, rtol=RTOL, atol=ATOL)
         finally:
             synk.close()
+
+
+def _noisy():
+    """A function whose output is 3 numbers drawn by each rank's own generator (gathered in
+    rank order), the generator advancing at every call."""
+    rng = pytensor.shared(np.random.default_rng(11), name="rng")
+    r_next, noise = T.random.normal(0, 1, size=(3,), rng=rng, return_next_rng=True)
+    f = synk.function([], (noise, "gather"), updates=[(rng, r_next)])
+    synk.distribute()
+    return f
+
+
+def test_random_generators_continue_their_streams(tmp_path):
+    """Each rank's generator is saved (its state, per rank); loaded at 2 ranks every rank
+    draws what it drew after the save; at 3 ranks ranks 0 and 1 do, rank 2 draws a new
+    stream of its own (the same at every load); a damaged state changes nothing."""
+    path = str(tmp_path / "rng.npz")
+    tu.fork(2)
+    try:
+        f = _noisy()
+        f()
+        synk.save(path)
+        after = [f().reshape(2, 3) for _ in range(2)]
+    finally:
+        synk.close()
+    man = json.loads(np.load(path)["__manifest__"].tobytes().decode())
+    assert [e["name"] for e in man["random"]] == ["rng"] and len(man["random"][0]["states"]) == 2
+    tu.fork(2)
+    try:
+        f = _noisy()
+        synk.load(path)
+        for want in after:
+            np.testing.assert_array_equal(f().reshape(2, 3), want)
+    finally:
+        synk.close()
+    firsts = []
+    for _ in range(2):
+        tu.fork(3)
+        try:
+            f = _noisy()
+            synk.load(path)
+            got = f().reshape(3, 3)
+            np.testing.assert_array_equal(got[:2], after[0])
+            assert not np.allclose(got[2], got[0]) and not np.allclose(got[2], got[1])
+            firsts.append(got[2])
+        finally:
+            synk.close()
+    np.testing.assert_array_equal(firsts[0], firsts[1])
+
+
+def test_damaged_random_state_changes_nothing(tmp_path):
+    path, bad = str(tmp_path / "rng.npz"), str(tmp_path / "bad.npz")
+    tu.fork(2)
+    try:
+        f = _noisy()
+        synk.save(path)
+        z = dict(np.load(path))
+        man = json.loads(z["__manifest__"].tobytes().decode())
+        man["random"][0]["states"][1]["bit_generator"] = "NoSuchGenerator"
+        z["__manifest__"] = np.frombuffer(json.dumps(man).encode(), np.uint8)
+        np.savez(bad, **z)
+        before = f().reshape(2, 3)
+        synk.load(path)                       # back to the saved streams
+        with pytest.raises(synk.CheckpointError, match="random generator"):
+            synk.load(bad)
+        np.testing.assert_array_equal(f().reshape(2, 3), before)   # nothing was changed
+    finally:
+        synk.close()
