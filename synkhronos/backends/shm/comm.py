@@ -58,11 +58,12 @@ class ShmComm:
         if not self.sync.vote(True, on_commit=write):
             raise Aborted("another rank failed during this collective")
 
-    def _stage(self, key, arr):
+    def _stage(self, key, arr, own=None):
         """Copy-in for a reduction: returns ``(own flat source, shape)``.
 
-        If ``arr`` is not the slot, every chunk but this rank's own is copied into the slot
-        (the others read those); this rank reads its own chunk from ``arr``."""
+        If ``arr`` is not the slot, every chunk but this rank's own (elements ``own``, by
+        default its chunk of ``chunk_bounds``) is copied into the slot (the others read
+        those); this rank reads its own chunk from ``arr``."""
         slots = self.slots
         arr = np.asarray(arr)
         if slots.holds(key, arr):
@@ -72,8 +73,10 @@ class ShmComm:
         flat = np.ascontiguousarray(arr).reshape(-1)
         if flat.size and np.may_share_memory(view, flat):
             flat = flat.copy()
-        bounds = chunk_bounds(flat.size, self.n, arr.dtype.itemsize)
-        a, b = bounds[self.rank], bounds[self.rank + 1]
+        if own is None:
+            bounds = chunk_bounds(flat.size, self.n, arr.dtype.itemsize)
+            own = bounds[self.rank], bounds[self.rank + 1]
+        a, b = own
         if a > 0:
             np.copyto(view[:a], flat[:a])
         if b < flat.size:
@@ -287,26 +290,27 @@ class ShmComm:
     def reduce_scatter(self, items, op, fence=True, counts=None):
         """``counts``: None, or per item None (near-equal blocks) or the rows each rank gets.
 
-        Every rank publishes its whole array (the others read every block but their own
-        from it), checks the shapes (every rank raises alike) and, once all voted yes,
-        reduces its own block from every rank's slot into a new array."""
+        Every rank stages every block of its array but its own (the others read those),
+        checks the shapes (every rank raises alike) and, once all voted yes, reduces its own
+        block from every other rank's slot and its own live array into a new array."""
         counts = [None] * len(items) if counts is None else list(counts)
         if len(counts) != len(items):
             raise ValueError(f"reduce_scatter got {len(counts)} counts for {len(items)} items")
         blocks = [row_blocks(np.shape(arr), c, self.n, self.names.get(key)) for (key, arr), c in zip(items, counts)]
         if self.n == 1:
             return [np.array(a, copy=True) for _, a in items]
-        for key, arr in items:
-            self.slots.publish(key, arr)
+        owns = []                        # every block but this rank's own into the slot
+        for (key, arr), rows in zip(items, blocks):
+            per = int(np.prod(np.shape(arr)[1:]))
+            own = rows[self.rank] * per, rows[self.rank + 1] * per
+            owns.append((own, self._stage(key, arr, own)[0]))
         self.sync.barrier(check_after=False)
         self._equal_shapes([k for k, _ in items], "reduce_scatter")
         out = []
-        for (key, arr), rows in zip(items, blocks):
+        for (key, arr), rows, ((a, b), flat) in zip(items, blocks, owns):
             arr = np.asarray(arr)
-            per = int(np.prod(arr.shape[1:]))
-            a, b = rows[self.rank] * per, rows[self.rank + 1] * per
             res = np.empty((rows[self.rank + 1] - rows[self.rank],) + arr.shape[1:], arr.dtype)
-            out.append((res, [v[a:b] for v in self._all_slots(key, arr.dtype)]))
+            out.append((res, [v[a:b] for v in self._sources(self._all_slots(key, arr.dtype), flat)]))
 
         def write():
             for res, srcs in out:
