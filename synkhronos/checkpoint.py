@@ -42,7 +42,7 @@ import time
 
 import numpy as np
 
-from . import random_state
+from . import generators, random_state, signals
 
 FORMAT = "synkhronos-checkpoint"
 VERSION = 1
@@ -190,7 +190,9 @@ def read(path):
 def load(path):
     """Set every shared variable of the session's functions from the checkpoint at
     ``path`` (written by ``save``, at any number of ranks) and return its ``state``.
-    Everything is checked before anything is set (``CheckpointError``)."""
+    Everything is checked before anything is set (``CheckpointError``), and a Ctrl-C
+    either lands before anything is set or after everything is; a rank lost meanwhile
+    closes the session (``WorkerDied``: fork again and load again)."""
     return restore(*read(path), where=path)
 
 
@@ -201,9 +203,10 @@ def restore(manifest, arrays, where="the snapshot"):
     session = get_session(True)
     plan = _plan(where, manifest, arrays, _tensor_shareds(session))
     randoms = _plan_random(where, manifest, random_state.random_shareds(session), session.n)
-    _apply(session, plan)
-    if randoms:
-        random_state.set_states(session, *zip(*randoms))
+    with signals.deferred():        # a Ctrl-C lands after every variable is set, never between
+        _apply(session, plan)
+        if randoms:
+            random_state.set_states(session, *zip(*randoms))
     return manifest.get("state")
 
 
@@ -220,12 +223,12 @@ def _plan_random(path, manifest, variables, n):
     for e, (pos, var) in zip(entries, variables):
         if e.get("name") and var.name and e["name"] != var.name:
             raise CheckpointError(f"{path}: random generator {_label(e)} is {var.name!r} in this session")
-        states = random_state.resized(e["states"], n)
-        for st in states:
-            try:
-                random_state.generator(st)
-            except ValueError as err:
-                raise CheckpointError(f"{path}: random generator {_label(e)}: {err}") from None
+        try:
+            states = random_state.resized(e["states"], n)
+            for st in states:
+                generators.generator(st)
+        except (ValueError, TypeError, IndexError) as err:
+            raise CheckpointError(f"{path}: random generator {_label(e)}: {err}") from None
         plan.append((pos, states))
     return plan
 

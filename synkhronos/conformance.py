@@ -264,6 +264,19 @@ def _device(me):
         return None if np.array_equal(dev.to_host(dev.get(var)), [1.0, 2.0]) else "get after set differs"
     out.check("device", name, "get / set", shared_value)
 
+    def generator_state():
+        import pytensor
+        from . import generators
+        var = pytensor.shared(np.random.default_rng(me.rank))
+        saved = dev.generator_state(var)
+        dev.set_generator_state(var, generators.state_of(np.random.default_rng(7)))
+        moved = dev.generator_state(var)
+        dev.set_generator_state(var, saved)
+        if dev.generator_state(var) != saved:
+            return "a generator state set back is not the state read"
+        return "setting another state changed nothing" if moved == saved else None
+    out.check("device", name, "generator state", generator_state)
+
     def config():
         again = backends.make_device(dev.config(), dev.n)
         if again.config() != dev.config() or again.kind != dev.kind or again.placement != dev.placement:

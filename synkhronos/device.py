@@ -57,6 +57,15 @@ class Device(Protocol):
     def set(self, var, value) -> None:
         """Make ``value`` (an array of this device) the shared variable's value (no copy)."""
 
+    def generator_state(self, var) -> dict:
+        """The JSON state (``synkhronos.generators``) of the random generator that the
+        ``RandomType`` shared variable ``var`` holds on this rank."""
+
+    def set_generator_state(self, var, state: dict) -> None:
+        """Make ``var``'s generator on this rank continue from ``state`` (a
+        ``generator_state`` of any device; one this device cannot continue starts the
+        stream ``generators.derived`` makes of it).  ValueError if it is not a state."""
+
     def to_host(self, arr) -> Any:
         """A numpy array of ``arr`` (a view where possible)."""
 

@@ -512,20 +512,20 @@ def _graph_items(replicas):
     return items
 
 
-def distribute():
-    """Replicate every function and its shared variables in all workers (once)."""
+def distribute(random_streams="per_rank"):
+    """Replicate every function and its shared variables in all workers (once).
+    Random generators (``RandomType`` shared variables): with ``random_streams="per_rank"``
+    every rank draws its own stream (the master's keeps the generator's; see
+    ``synkhronos.random_state``), with ``"same"`` every rank draws the master's numbers."""
     session = get_session()
     if session.distributed:
         raise RuntimeError("synk.distribute() was already called (it can be called once)")
+    if random_streams not in ("per_rank", "same"):
+        raise ValueError(f"random_streams must be 'per_rank' or 'same', got {random_streams!r}")
     with session.api():
         t0 = time.perf_counter()
         replicas = [f._replica for f in session.functions]
-        shareds, seen = [], set()
-        for c in replicas:
-            for v in c.shareds():
-                if id(v) not in seen:
-                    seen.add(id(v))
-                    shareds.append(v)
+        shareds = list({id(v): v for c in replicas for v in c.shareds()}.values())   # first seen first
         print("Synkhronos distributing functions...", flush=True)
         old = sys.getrecursionlimit()
         sys.setrecursionlimit(max(old, 50000))
@@ -544,27 +544,26 @@ def distribute():
         me.shareds = shareds
         me.replicas = replicas
         session.shared_ids = {id(v): i for i, v in enumerate(shareds)}
-        n_keys = len(shareds) + _reserved_keys()        # keys of in-graph collectives after the shareds'
-        me.comm.setup(n_keys, _names(shareds))   # before the workers attach to what it creates
+        n_keys, names = _keys(shareds)
+        me.comm.setup(n_keys, names)   # before the workers attach to what it creates
         session.execute("distribute", (payload, n_keys), what="distribute", patient=True)
         session.distributed = True
     sharded = list({id(v): v for f in session.functions for v in f._sharded}.values())
     if sharded:             # each rank its block of what the master held whole
         from . import collectives
         collectives.scatter(sharded, [session.device.get(v) for v in sharded])
+    if random_streams == "per_rank":
+        from . import random_state
+        random_state.spread(session)
     print(f"...distribution complete ({time.perf_counter() - t0:.1f} s).", flush=True)
 
 
-def _names(shareds):
-    from .ops import reserved_names
-    return {i: str(v) for i, v in enumerate(shareds)} | reserved_names(len(shareds))
-
-
-def _reserved_keys():
-    """Comm keys for in-graph collectives, after the shared variables' (``synkhronos.ops``
-    needs PyTensor, which a session that made functions has imported anyway)."""
-    from .ops import RESERVED_KEYS
-    return RESERVED_KEYS
+def _keys(shareds):
+    """The comm plane's number of keys and their names: the shared variables', then those
+    of in-graph collectives (``synkhronos.ops`` needs PyTensor, which a session that made
+    functions has imported anyway)."""
+    from .ops import RESERVED_KEYS, reserved_names
+    return len(shareds) + RESERVED_KEYS, {i: str(v) for i, v in enumerate(shareds)} | reserved_names(len(shareds))
 
 
 # ------------------------------------------------------------------------------------------
@@ -578,7 +577,7 @@ def _w_distribute(me, payload, n_keys):
     for c in replicas:
         c.adopt(me.device)
     me.replicas, me.shareds = replicas, shareds
-    me.comm.setup(n_keys, _names(shareds))
+    me.comm.setup(*_keys(shareds))
     return None
 
 

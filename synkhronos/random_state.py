@@ -3,17 +3,18 @@
 their bit generator's state, a JSON-able dict.  What checkpoints save of them
 (``synkhronos.checkpoint``).
 
-At another number of ranks, rank r continues saved rank r's stream while there is one;
-a rank beyond them gets a new, independent stream of the same bit generator, seeded from
-the saved rank 0 state and r (the same seed every time: a resumed run is repeatable)."""
-import hashlib
-import json
-
-import numpy as np
-
+Every rank draws its own stream: at ``synk.distribute()`` the master's rank keeps its
+generator's and rank r gets a new, independent stream of the same bit generator seeded
+from the master's state and r (``spread``).  At another number of ranks, rank r continues
+saved rank r's stream while there is one; a rank beyond them gets the stream seeded from
+the saved rank 0 state and r (the same seed every time: a resumed run is repeatable).
+A state saved on numba ranks continues on JAX ranks from the key PyTensor derives from it;
+one drawn by JAX continues on numba ranks as a stream seeded from it (the two backends
+draw different numbers from one generator anyway)."""
+from . import generators
 from .commands import worker_command
 
-__all__ = ["random_shareds", "states", "set_states", "resized"]
+__all__ = ["random_shareds", "states", "set_states", "resized", "spread"]
 
 _GET = __name__ + ":get"
 _SET = __name__ + ":set"
@@ -21,45 +22,17 @@ _SET = __name__ + ":set"
 
 def random_shareds(session):
     """``[(position, variable)]`` of the session's shared variables that hold generators."""
-    return [(i, v) for i, v in enumerate(session.shareds)
-            if isinstance(v.get_value(borrow=True), np.random.Generator)]
-
-
-def _to_json(x):
-    if isinstance(x, dict):
-        return {k: _to_json(v) for k, v in x.items()}
-    if isinstance(x, np.ndarray):
-        return {"ndarray": x.tolist(), "dtype": str(x.dtype)}
-    if isinstance(x, np.integer):
-        return int(x)
-    return x
-
-
-def _from_json(x):
-    if isinstance(x, dict):
-        if set(x) == {"ndarray", "dtype"}:
-            return np.asarray(x["ndarray"], dtype=x["dtype"])
-        return {k: _from_json(v) for k, v in x.items()}
-    return x
-
-
-def generator(state):
-    """A new ``Generator`` in ``state`` (a dict of ``states``); ValueError if it is not one."""
-    try:
-        bit_gen = getattr(np.random, state["bit_generator"])()
-        bit_gen.state = _from_json(state)
-    except (AttributeError, KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"not the state of a numpy bit generator: {e}") from None
-    return np.random.Generator(bit_gen)
+    from pytensor.tensor.random.type import RandomType
+    return [(i, v) for i, v in enumerate(session.shareds) if isinstance(v.type, RandomType)]
 
 
 def _get_states(me, vids):
-    return [_to_json(me.device.get(me.shareds[v]).bit_generator.state) for v in vids]
+    return [me.device.generator_state(me.shareds[v]) for v in vids]
 
 
 def _set_states(me, vids, per_rank):
     for v, state in zip(vids, per_rank[me.rank]):
-        me.device.set(me.shareds[v], generator(state))
+        me.device.set_generator_state(me.shareds[v], state)
 
 
 worker_command(_GET)(_get_states)
@@ -81,7 +54,7 @@ def set_states(session, vids, per_var):
     in the master first (ValueError), then every rank sets its own."""
     for sts in per_var:
         for st in sts:
-            generator(st)
+            generators.generator(st)
     per_rank = [[sts[r] for sts in per_var] for r in range(session.n)]
     with session.api(True):
         session.execute(_SET, (vids, per_rank), lambda: _set_states(session.me, vids, per_rank),
@@ -91,9 +64,20 @@ def set_states(session, vids, per_var):
 def resized(saved, n):
     """The states of ``n`` ranks from ``saved`` (one per saved rank): rank r keeps saved
     rank r's; a rank beyond them a new stream seeded from saved rank 0's state and r."""
-    out = list(saved[:n])
-    words = np.frombuffer(hashlib.sha256(json.dumps(saved[0], sort_keys=True).encode()).digest(), np.uint32)
-    for r in range(len(out), n):
-        kind = getattr(np.random, saved[0]["bit_generator"])
-        out.append(_to_json(kind(np.random.SeedSequence([int(w) for w in words] + [r])).state))
-    return out
+    return list(saved[:n]) + [generators.state_of(generators.derived(saved[0], r))
+                              for r in range(len(saved), n)]
+
+
+def spread(session):
+    """Give every rank its own stream of each generator the session's functions read
+    (after ``synk.distribute()`` every rank holds a copy of the master's generators, and
+    ranks drawing the same numbers, e.g. the same dropout masks for their different rows,
+    would not be the independent draws of a serial run): the master's rank keeps its
+    stream, rank r another one seeded from it and r (the rule of ``resized``)."""
+    vids = [i for i, _ in random_shareds(session)]
+    if not vids or session.n == 1:
+        return
+    m = session.rank
+    per_var = [[sts[m] if r == m else generators.state_of(generators.derived(sts[m], r))
+                for r in range(session.n)] for sts in states(session, vids)]
+    set_states(session, vids, per_var)

@@ -110,6 +110,7 @@ class Session:
         self.closed_cleanly = False
         self.command_log = {}          # seq -> what it was (the last 64 commands; flight reports)
         self.timeline_path = timeline_path     # where close() writes the timeline (None: off)
+        self.timeline_events = timeline.event_limit() if timeline_path else 0    # (ValueError: before any process)
         self.waiter.report = lambda: self.print_flight("synkhronos flight recorder at the stall")
 
     shareds = property(lambda self: self.me.shareds)
@@ -118,7 +119,7 @@ class Session:
     def start(self, timeout):
         settings = dict(sys_path=[p for p in sys.path if p], profile=self.profile_workers, debug=self.debug,
                         stall=self.waiter.stall, timeout=self.waiter.timeout, spin=self.waiter.spin,
-                        timeline=self.timeline_path is not None)
+                        timeline=self.timeline_events)
         spec = backends.MasterSpec(self.topology, self.master_rank, self.waiter, self._check, settings)
 
         def env_for(r):
@@ -129,7 +130,7 @@ class Session:
             planes = self.planes = backends.create_master(spec)    # (across hosts: the agents join)
             self.launcher = planes.launcher
             if self.timeline_path is not None:
-                timeline.start(self.rank, self.launcher.host)
+                timeline.start(self.rank, self.launcher.host, self.timeline_events)
             self.me = Rank(self.rank, self.n, self.master_rank, self.device, planes.control, planes.comm)
             cfg = dict(planes.worker_config, n=self.n, master_rank=self.master_rank, master_pid=self.pid,
                        device=self.device.config(), **settings)
@@ -402,7 +403,7 @@ class Session:
         log[seq] = what
         tl = timeline.current()
         if tl is not None:
-            tl.labels[seq] = what
+            tl.label(seq, what)
         if len(log) > 64:
             del log[next(iter(log))]
 

@@ -13,38 +13,71 @@ track, nested by time:
 * compiles and cache loads (``compile``), where the rank compiled a function.
 
 What is between a command's nested spans is the rank's own work (computing, moving its
-rows).  The events are the flight recorder's (``synkhronos.flight``), kept in a list
-in each process while the timeline is on, and nothing more when it is off.  Workers hand
+rows).  The events are the flight recorder's (``synkhronos.flight``), kept in each
+process while the timeline is on, and nothing more when it is off: the last
+``SYNK_TIMELINE_EVENTS`` of them (default 200000, about 40000 commands and 60 MB a rank),
+so that a long run's memory stays bounded; a trace that lost its oldest events says how
+many in each rank's name.  Workers hand
 theirs to the master in their reply to the session's last command (through the control
 plane: from every host under ``mpiexec`` too); the master merges them, names the commands
 from its log and writes the file (mode 0600, through a temporary name).  A session that
 loses a rank writes the events of the ranks that answered.  Times are each host's wall
 clock: ranks of different machines line up as well as their clocks agree (NTP: typically
 well under a millisecond on a LAN)."""
+import collections
 import json
 import os
 import secrets
 import time
 
+DEFAULT_EVENTS = 200_000
 _current = None
 
 
 class Timeline:
-    """This process's events: ``(name, category, start, end, args)``, wall-clock seconds."""
+    """This process's last ``limit`` events: ``(name, category, start, end, args)``,
+    wall-clock seconds."""
 
-    def __init__(self, rank, host, pid):
-        self.rank, self.host, self.pid = rank, host, pid
-        self.events = []
-        self.labels = {}                 # seq -> what the command was (the master's)
+    def __init__(self, rank, host, pid, limit=DEFAULT_EVENTS):
+        self.rank, self.host, self.pid, self.limit = rank, host, pid, limit
+        self.events = collections.deque(maxlen=limit)
+        self.recorded = 0
+        self.labels = {}                 # seq -> what the command was (the master's; the last ``limit``)
 
     def span(self, name, cat, t0, t1, args=None):
         self.events.append((name, cat, t0, t1, args))
+        self.recorded += 1
+
+    def label(self, seq, what):
+        self.labels[seq] = what
+        if len(self.labels) > self.limit:
+            del self.labels[next(iter(self.labels))]
+
+    def handed(self):
+        """What the trace needs of this process's events."""
+        return {"rank": self.rank, "host": self.host, "pid": self.pid, "events": list(self.events),
+                "dropped": self.recorded - len(self.events)}
 
 
-def start(rank, host):
-    """Turn the timeline on in this process."""
+def event_limit():
+    """``SYNK_TIMELINE_EVENTS`` (a positive int), else ``DEFAULT_EVENTS``."""
+    raw = os.environ.get("SYNK_TIMELINE_EVENTS", "").strip()
+    if not raw:
+        return DEFAULT_EVENTS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"SYNK_TIMELINE_EVENTS must be a positive number of events a rank keeps, got {raw!r}")
+    return value
+
+
+def start(rank, host, limit=None):
+    """Turn the timeline on in this process, keeping its last ``limit`` events (default:
+    ``event_limit()``)."""
     global _current
-    _current = Timeline(rank, host, os.getpid())
+    _current = Timeline(rank, host, os.getpid(), limit or event_limit())
     return _current
 
 
@@ -121,9 +154,7 @@ def take():
     """This process's events, as a worker hands them to the master when the session closes
     (the reply to its last command: through the control plane, from any host)."""
     tl = stop()
-    if tl is None:
-        return None
-    return {"rank": tl.rank, "host": tl.host, "pid": tl.pid, "events": tl.events}
+    return None if tl is None else tl.handed()
 
 
 def write_trace(path, workers):
@@ -133,14 +164,15 @@ def write_trace(path, workers):
     tl = stop()
     if tl is None:
         return None
-    ranks = [{"rank": tl.rank, "host": tl.host, "pid": tl.pid, "events": tl.events}]
-    ranks += [w for w in workers if isinstance(w, dict) and "events" in w]
+    ranks = [tl.handed()] + [w for w in workers if isinstance(w, dict) and "events" in w]
     t0 = min((e[2] for r in ranks for e in r["events"]), default=0.0)
     trace = []
     for r in sorted(ranks, key=lambda r: r["rank"]):
         pid = r["rank"]
+        lost = r.get("dropped", 0)
+        lost = f", its first {lost} events dropped (SYNK_TIMELINE_EVENTS)" if lost else ""
         trace.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
-                      "args": {"name": f"rank {r['rank']} ({r['host']}, pid {r['pid']})"}})
+                      "args": {"name": f"rank {r['rank']} ({r['host']}, pid {r['pid']}{lost})"}})
         trace.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
         for name, cat, a, b, args in r["events"]:
             if cat == "command":

@@ -48,7 +48,7 @@ def serve(cfg):
         device.init_worker(rank)
         if cfg.get("timeline"):
             import socket
-            timeline.start(rank, socket.gethostname())
+            timeline.start(rank, socket.gethostname(), int(cfg["timeline"]))
         me = Rank(rank, cfg["n"], cfg["master_rank"], device, control, comm)
         rank_module.become(me)
         from . import function, rankops  # noqa: F401  (register their commands)

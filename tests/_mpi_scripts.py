@@ -398,21 +398,36 @@ def ckpt_model():
     return step, [W1, W2], X, Y
 
 
+def ckpt_noise():
+    """A function of ``scenario_resume``'s model drawing 2 numbers a rank from a random
+    generator shared variable (gathered in rank order): each rank's stream is saved."""
+    import pytensor
+    import pytensor.tensor as T
+    import synkhronos as synk
+    rng = pytensor.shared(np.random.default_rng(3), name="rng")
+    r_next, noise = T.random.normal(0, 1, size=(2,), rng=rng, return_next_rng=True)
+    return synk.function([], (noise, "gather"), updates=[(rng, r_next)])
+
+
 def scenario_resume(ckpt, trace, steps):
     """A checkpoint written by one host's session, resumed on every host with a timeline;
-    the state after ``steps`` more steps saved to ``ckpt + '.out'``."""
+    the state after ``steps`` more steps saved to ``ckpt + '.out'``; each rank's draws of
+    ``ckpt_noise`` after the load and after that save."""
     import synkhronos as synk
     synk.fork(None, timeline=trace)
     info = synk.session_info()
     ranks = [(r.rank, r.host, r.pid) for r in info.ranks]
     _info(ranks=ranks, hosts=sorted({h for _, h, _ in ranks}))
     step, params, X, Y = ckpt_model()
+    noise = ckpt_noise()
     synk.distribute()
     state = synk.load(ckpt)
+    drawn = noise().tolist()
     losses = [float(step(X, Y)) for _ in range(int(steps))]
     synk.save(ckpt + ".out", state={"from": state, "ranks": info.n})
+    drawn_after = noise().tolist()
     synk.close()
-    _result(losses=losses, n=info.n)
+    _result(losses=losses, n=info.n, drawn=drawn, drawn_after=drawn_after)
 
 
 def scenario_elastic(ckpt, steps, pause):

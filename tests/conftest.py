@@ -73,16 +73,13 @@ def assert_clean():
 
 FUNCTIONAL_MODULES = ("test_function_outputs", "test_collectives", "test_batching", "test_intro_example",
                       "test_shared_example", "test_updates", "test_data", "test_exchange", "test_ops",
-                      "test_checkpoint", "test_sharded_updates", "test_sharded_faults")
+                      "test_checkpoint", "test_sharded_updates", "test_sharded_faults", "test_random_streams",
+                      "test_elastic")
 # tests of those modules that start their own mpiexec job or demo (their sessions run CPU
 # ranks) or fork JAX ranks themselves: not run again
 NOT_FUNCTIONAL = ("across_hosts", "on_jax_ranks", "demo_resumes")
 
-_JAX_RNG = ("a function drawing from a random generator shared variable does not run on JAX ranks "
-            "(PyTensor's JAX function constructor compares the generator's JAX state with ==)")
 JAX_SKIPS = {
-    "test_checkpoint.py::test_random_generators_continue_their_streams": _JAX_RNG,
-    "test_checkpoint.py::test_damaged_random_state_changes_nothing": _JAX_RNG,
     "test_ops.py::TestOps::test_failure_after_the_collective_applies_nothing":
         "its last rank fails through an Assert op, which PyTensor's JAX backend drops",
     "test_ops.py::TestOps::test_python_backend":

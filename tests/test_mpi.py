@@ -243,21 +243,26 @@ def test_hosts_checkpoint_and_timeline(hosts, tmp_path):
     """A checkpoint written by a session on this host resumes on two hosts (2 ranks -> 4),
     whose run writes a timeline of every rank of both hosts and a checkpoint that resumes
     here again at one rank; the losses and parameters continue those of the run that was
-    not interrupted, to rounding."""
+    not interrupted, to rounding.  Each rank's random generator goes along: ranks 0 and 1
+    of both hosts continue the saved ranks' streams, ranks 2 and 3 draw their own, and the
+    rank of the last session continues rank 0's."""
     import json
 
     import numpy as np
 
     import synkhronos as synk
-    from _mpi_scripts import ckpt_model
+    from _mpi_scripts import ckpt_model, ckpt_noise
     ck, trace = str(tmp_path / "ck.npz"), str(tmp_path / "trace.json")
     tu.fork(2)
     try:
         step, params, X, Y = ckpt_model()
+        noise = ckpt_noise()
         synk.distribute()
         for _ in range(3):
             step(X, Y)
+        noise()
         synk.save(ck, state={"step": 3})
+        ref_drawn = noise().reshape(2, 2)
         ref = [float(step(X, Y)) for _ in range(4)]
         ref_params = [p.get_value() for p in params]
     finally:
@@ -266,6 +271,9 @@ def test_hosts_checkpoint_and_timeline(hosts, tmp_path):
     assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
     assert info["hosts"] == ["hA", "hB"] and res["n"] == 4
     np.testing.assert_allclose(res["losses"], ref, rtol=1e-10)
+    drawn = np.reshape(res["drawn"], (4, 2))
+    np.testing.assert_array_equal(drawn[:2], ref_drawn)
+    assert len({tuple(row) for row in drawn}) == 4 and np.isfinite(drawn).all()
     events = json.load(open(trace))["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert sorted(names) == [0, 1, 2, 3], names
@@ -275,10 +283,12 @@ def test_hosts_checkpoint_and_timeline(hosts, tmp_path):
     tu.fork(1)
     try:
         step, params, X, Y = ckpt_model()
+        noise = ckpt_noise()
         synk.distribute()
         assert synk.load(ck + ".out") == {"from": {"step": 3}, "ranks": 4}
         for p_, q in zip(params, ref_params):
             np.testing.assert_allclose(p_.get_value(), q, rtol=1e-10)
+        np.testing.assert_array_equal(noise(), np.reshape(res["drawn_after"], (4, 2))[0])
     finally:
         synk.close()
     assert_hosts_clean(hosts)

@@ -7,6 +7,7 @@ import os
 import stat
 
 import numpy as np
+import pytest
 import pytensor
 import pytensor.tensor as T
 
@@ -56,4 +57,37 @@ def test_off_by_default(tmp_path, monkeypatch, assert_clean):
     finally:
         synk.close()
     assert os.listdir(tmp_path) == []
+    assert_clean()
+
+
+def test_a_long_run_keeps_the_last_events(tmp_path, monkeypatch, assert_clean):
+    """``SYNK_TIMELINE_EVENTS`` bounds each rank's events: the last ones are kept (the last
+    call is in the trace, the first calls are not) and each rank's name says how many were
+    dropped; a bad value is refused before any process starts."""
+    path = tmp_path / "run.json"
+    monkeypatch.setenv("SYNK_TIMELINE_EVENTS", "abc")
+    with pytest.raises(ValueError, match="SYNK_TIMELINE_EVENTS must be a positive number"):
+        tu.fork(2, timeline=str(path))
+    assert not tu.is_open()
+    monkeypatch.setenv("SYNK_TIMELINE_EVENTS", "40")
+    n = tu.fork(2, timeline=str(path))
+    try:
+        x = T.matrix("x")
+        fs = [synk.function([x], (x.sum() * k, "sum"), name=f"f{k}") for k in range(3)]
+        synk.distribute()
+        for _ in range(60):
+            fs[0](np.ones((4, 2)))
+        fs[1](np.ones((4, 2)))
+        fs[2](np.ones((4, 2)))
+    finally:
+        synk.close()
+    events = json.loads(path.read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    spans = [e for e in events if e["ph"] == "X"]
+    for r in range(n):
+        mine = [e for e in spans if e["pid"] == r]
+        assert 0 < len(mine) <= 40, len(mine)
+        assert "events dropped (SYNK_TIMELINE_EVENTS)" in names[r], names[r]
+        assert any(e["name"] == "call of function f2" for e in mine)
+        assert not any(e["name"] == "distribute" for e in mine)
     assert_clean()

@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 
+from ... import generators
 from ...compiling import compiling
 
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
@@ -119,6 +120,12 @@ class CpuDevice:
 
     def set(self, var, value):
         var.container.storage[0] = value
+
+    def generator_state(self, var):
+        return generators.state_of(var.container.storage[0])
+
+    def set_generator_state(self, var, state):
+        var.container.storage[0] = generators.generator(state)
 
     def to_host(self, arr):
         return np.asarray(arr)

@@ -35,7 +35,7 @@ import re
 
 import numpy as np
 
-from . import distributed, runtime
+from . import distributed, generators, runtime
 from .transfers import is_device_array, to_device, to_devices, to_host
 from ..host.device import THREAD_VARS, ThreadLimits, restore_env, usable_cores
 from ...compiling import compiling
@@ -269,11 +269,14 @@ class JaxDevice:
         from .ops import declared
 
         outputs = declared(outputs)
+        inputs, givens, gens = generators.explicit(inputs, outputs, givens)
         given = list(givens.values()) if isinstance(givens, dict) else [v for _, v in (givens or [])]
         if holds_host_ops((list(outputs) if isinstance(outputs, list) else [outputs]) + given):
             mode = stretched(mode)          # in-graph collectives: jitted stretches between them
         with compiling():
             fn = pytensor.function(inputs, outputs, givens=givens, mode=mode, **kwargs)
+        if gens:
+            fn = generators.DrawingFunction(fn, gens)
         return self.adopt(fn)
 
     def adopt(self, fn):
@@ -289,12 +292,22 @@ class JaxDevice:
         value = storage[0]
         if isinstance(value, (np.ndarray, np.generic)):
             value = storage[0] = to_device(value)    # lives on the device from now on
+        elif isinstance(value, np.random.Generator):
+            value = storage[0] = generators.as_jax(value)     # what JAX draws from
         return value
 
     def set(self, var, value):
-        if not is_device_array(value):
+        if isinstance(value, (dict, np.random.Generator)):    # a random generator's
+            value = generators.as_jax(value)
+        elif not is_device_array(value):
             value = to_device(value)
         var.container.storage[0] = value
+
+    def generator_state(self, var):
+        return generators.state_of(self.get(var))
+
+    def set_generator_state(self, var, state):
+        var.container.storage[0] = generators.from_state(state)
 
     def to_host(self, arr):
         return to_host(arr)
