@@ -123,7 +123,56 @@ def precision():
         synk.close()
 
 
-SCENARIOS = {f.__name__: f for f in (one_rank, two_on_one, in_graph, precision)}
+def _trained(steps, fork, load=None, save=None):
+    """``steps`` SGD steps of a small float32 regression (and 2 draws a rank of a random
+    generator) in a session forked with ``fork``, from checkpoint ``load`` if given, saved
+    to ``save`` if given: ``(w, draws)``."""
+    rng = np.random.default_rng(4)
+    X, Y = rng.standard_normal((16, 5)).astype("float32"), rng.standard_normal(16).astype("float32")
+    n = synk.fork(2, **fork)
+    try:
+        x, y = T.matrix("x", dtype="float32"), T.vector("y", dtype="float32")
+        w = pytensor.shared(np.zeros(5, "float32"), name="w")
+        loss = T.mean((x.dot(w) - y) ** 2)
+        step = synk.function([x, y], (loss, "avg"), updates=[(w, w - np.float32(0.1) * T.grad(loss, w))])
+        gen = pytensor.shared(np.random.default_rng(9), name="gen")
+        r_next, noise = T.random.normal(0, 1, size=(2,), rng=gen, return_next_rng=True)
+        draw = synk.function([], (noise, "gather"), updates=[(gen, r_next)])
+        synk.distribute()
+        if load:
+            synk.load(load)
+        for _ in range(steps):
+            step(X, Y)
+        draws = draw().reshape(n, 2)
+        if save:
+            synk.save(save)
+        return synk.get_value(0, w), draws
+    finally:
+        synk.close()
+
+
+def checkpoint():
+    """A checkpoint of CPU (numba) ranks resumed on the GPU and back: the parameters those
+    of the run that never moved (float32 matmuls at full precision), each rank's
+    generator its own stream on every device."""
+    import tempfile
+    cpu = dict(use_gpu=False)
+    gpu = dict(FORK, matmul_precision="highest")
+    if GPU and synk.get_n_gpu() < 2:
+        os.environ["SYNK_GPUS"] = "0,0"
+    with tempfile.TemporaryDirectory() as d:
+        a, b = os.path.join(d, "a.npz"), os.path.join(d, "b.npz")
+        ref, _ = _trained(6, cpu)
+        _trained(2, cpu, save=a)
+        _, on_gpu = _trained(2, gpu, load=a, save=b)
+        w, back = _trained(2, cpu, load=b)
+    np.testing.assert_allclose(w, ref, rtol=1e-5, atol=1e-6)
+    for draws in (on_gpu, back):
+        assert np.isfinite(draws).all() and not np.allclose(draws[0], draws[1])
+    result(max_abs_diff=float(np.max(np.abs(w - ref))))
+
+
+SCENARIOS = {f.__name__: f for f in (one_rank, two_on_one, in_graph, precision, checkpoint)}
 
 if __name__ == "__main__":
     SCENARIOS[sys.argv[1]]()

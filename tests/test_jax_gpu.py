@@ -3,7 +3,8 @@ rank (values stay in GPU memory, the hot path moves nothing implicitly), two ran
 GPU (NCCL refuses that: collectives go through the host, with one warning saying why),
 in-graph collectives in a JAX-compiled graph, the matmul precision (TF32 said in the
 banner; ``matmul_precision="highest"`` gives float32 results), and with two GPUs or more
-XLA's collectives (NCCL) against numpy and a worker killed inside one.  Run by
+XLA's collectives (NCCL) against numpy and a worker killed inside one; a checkpoint of CPU
+ranks resumed on the GPU and back.  Run by
 ``benchmarks/gpu_check.sh`` on a GPU machine; skipped where no GPU can be used.  The same
 scenarios run on JAX CPU ranks everywhere (``SYNK_GPU_SCRIPT_CPU=1``), so that the script
 a GPU machine runs is known to work."""
@@ -19,7 +20,7 @@ import synkhronos as synk
 N_GPU = synk.get_n_gpu()
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_gpu_script.py")
 needs_gpu = pytest.mark.skipif(N_GPU == 0, reason="no usable GPU (needs a GPU and the gpu extra)")
-SCENARIOS = ["one_rank", "two_on_one", "in_graph", "precision"]
+SCENARIOS = ["one_rank", "two_on_one", "in_graph", "precision", "checkpoint"]
 
 
 def run(scenario, cpu=False, timeout=300):
@@ -70,6 +71,12 @@ def test_precision_said_and_set():
     res, out, _ = run("precision")
     assert "float32 matmuls at precision 'highest'" in out
     assert res["max_rel_error"] < 1e-5
+
+
+@needs_gpu
+def test_checkpoint_from_cpu_ranks_onto_the_gpu_and_back():
+    res, _, _ = run("checkpoint")
+    assert res["max_abs_diff"] < 1e-5
 
 
 @needs_gpu
