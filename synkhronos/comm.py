@@ -76,10 +76,12 @@ class Comm(Protocol):
     def gatherv(self, items: Sequence, root: int, fence: bool = True) -> Optional[list]:
         """The root gets, per item, the list of every rank's array (copies); others None."""
 
-    def reduce_scatter(self, items: Sequence, op: str, fence: bool = True, counts: Optional[Sequence] = None) -> list:
+    def reduce_scatter(self, items: Sequence, op: str, fence: bool = True, counts: Optional[Sequence] = None,
+                       scratch: bool = False) -> list:
         """Rank r gets its block of rows of the reduction of each item (new arrays).
         ``counts``: None, or one entry per item: None (near-equal blocks, rows
-        ``r*N//n`` to ``(r+1)*N//n``) or the rows of each rank (the same on every rank)."""
+        ``r*N//n`` to ``(r+1)*N//n``) or the rows of each rank (the same on every rank).
+        ``scratch``: as for ``all_reduce`` (the vote may be skipped)."""
 
     def shapes(self, shapes: Sequence) -> list:
         """``shapes``: this rank's shape of each item; returns ``[[shape per rank] per item]``."""

@@ -132,15 +132,16 @@ def _comm_checks(me, comm, out):
                 rows = 2 * n + 1
                 vals = every((rows, 2), dtype)
                 counts = [2] * (n - 1) + [rows - 2 * (n - 1)]
-                got = comm.reduce_scatter([(key, to_dev(vals[rank])), (key + 1, to_dev(vals[rank]))], "sum",
-                                          counts=[None, counts])
                 full = red.combine("sum", vals)
                 near = [(r * rows) // n for r in range(n + 1)]
                 given = [sum(counts[:r]) for r in range(n + 1)]
-                for g, b in zip(got, (near, given)):
-                    want = full[b[rank]:b[rank + 1]]
-                    if not _close(to_host(g), want, dtype):
-                        return f"got {g!r}, want {want!r}"
+                for scratch in (False, True):
+                    got = comm.reduce_scatter([(key, to_dev(vals[rank])), (key + 1, to_dev(vals[rank]))], "sum",
+                                              counts=[None, counts], scratch=scratch)
+                    for g, b in zip(got, (near, given)):
+                        want = full[b[rank]:b[rank + 1]]
+                        if not _close(to_host(g), want, dtype):
+                            return f"scratch={scratch}: got {g!r}, want {want!r}"
                 return None
             out.check("comm", name, f"reduce_scatter {dtype}", reduce_scatter)
 

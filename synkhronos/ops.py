@@ -248,7 +248,7 @@ class ReduceScatter(CollectiveOp):
             return x
         impl = _impl(r, "reduce_scatter", x, self.op)
         res = impl.reduce_scatter([(_key(r, "reduce_scatter"), x)], self.op, fence=True,
-                                  counts=None if counts is None else [counts])[0]
+                                  counts=None if counts is None else [counts], scratch=True)[0]
         return _own(impl, "reduce_scatter", res)
 
     def connection_pattern(self, node):

@@ -78,9 +78,9 @@ class StagedComm:
     def gatherv(self, items, root, fence=True):
         return self.host.gatherv([(k, self._h(a)) for k, a in items], root, fence=True)   # host copies
 
-    def reduce_scatter(self, items, op, fence=True, counts=None):
+    def reduce_scatter(self, items, op, fence=True, counts=None, scratch=False):
         return self._d(self.host.reduce_scatter([(k, self._h(a)) for k, a in items], op, fence=True,
-                                                counts=counts))
+                                                counts=counts, scratch=scratch))
 
     def setup(self, n_keys, names=None):
         pass                     # (the host comm below is set up on its own)

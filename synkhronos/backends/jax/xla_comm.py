@@ -242,7 +242,7 @@ class XlaComm:
     def gatherv(self, items, root, fence=True):
         raise NotImplementedError("the xla comm does not serve gatherv (accepts() refuses it)")
 
-    def reduce_scatter(self, items, op, fence=True, counts=None):
+    def reduce_scatter(self, items, op, fence=True, counts=None, scratch=False):
         raise NotImplementedError("the xla comm does not serve reduce_scatter (accepts() refuses it)")
 
     def shapes(self, shapes):

@@ -298,7 +298,7 @@ class HierComm:
             out.append(np.concatenate(parts, axis=0))
         return out
 
-    def reduce_scatter(self, items, op, fence=True, counts=None):
+    def reduce_scatter(self, items, op, fence=True, counts=None, scratch=False):
         items = list(items)
         counts = [None] * len(items) if counts is None else list(counts)
         bounds = [row_blocks(np.shape(arr), c, self.n, self.names.get(key))     # (checked before any wait)

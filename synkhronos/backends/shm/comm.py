@@ -287,12 +287,13 @@ class ShmComm:
         self.sync.barrier()              # nobody reads the slots any more
         return out
 
-    def reduce_scatter(self, items, op, fence=True, counts=None):
+    def reduce_scatter(self, items, op, fence=True, counts=None, scratch=False):
         """``counts``: None, or per item None (near-equal blocks) or the rows each rank gets.
 
         Every rank stages every block of its array but its own (the others read those),
-        checks the shapes (every rank raises alike) and, once all voted yes, reduces its own
-        block from every other rank's slot and its own live array into a new array."""
+        checks the shapes (every rank raises alike) and, once all voted yes (``scratch``: at
+        once: the results are new arrays of a call, which a failed call never keeps), reduces
+        its own block from every other rank's slot and its own live array into a new array."""
         counts = [None] * len(items) if counts is None else list(counts)
         if len(counts) != len(items):
             raise ValueError(f"reduce_scatter got {len(counts)} counts for {len(items)} items")
@@ -315,7 +316,10 @@ class ShmComm:
         def write():
             for res, srcs in out:
                 reduce_chunk(op, srcs, [res.reshape(-1)], 0, res.size, res.dtype)
-        self._commit(write)
+        if scratch:
+            write()
+        else:
+            self._commit(write)
         self.sync.barrier()              # slots may change only once every rank has read them
         return [res for res, _ in out]
 
