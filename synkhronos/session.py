@@ -301,6 +301,7 @@ class Session:
         try:
             self._finish_inflight(what)
             self._check()
+            me.pending = None      # an interrupted command's share (held, never sent) is dropped
             me.seq = me.control.committed() + 1
             if master_first and local is not None:
                 # the first call compiles: a Ctrl-C inside LLVM can crash the process, so

@@ -326,8 +326,10 @@ def scenario_terminate():
 def scenario_interrupt_compile():
     """Ctrl-C while the first call of a function compiles (a cold numba cache): the
     interrupt arrives once the compile is done, as a plain KeyboardInterrupt (an interrupt
-    inside LLVM can corrupt or crash the process); the session then works."""
+    inside LLVM can corrupt or crash the process); the interrupted call applies nothing,
+    not even with the next command; the session then works."""
     import threading
+    import pytensor
     import pytensor.tensor as T
     import synkhronos as synk
     synk.fork(2)
@@ -338,7 +340,10 @@ def scenario_interrupt_compile():
     h = x
     for i in range(12):                  # a graph that takes a while to compile
         h = T.tanh(h.dot(W) * (0.1 + i)) + T.sin(h)
-    f = synk.function([x], (T.sum(h), "sum"), bcast_inputs=[W])
+    w = pytensor.shared(np.zeros(3), name="w")
+    u = pytensor.shared(np.zeros(3), name="u")
+    f = synk.function([x], (T.sum(h), "sum"), bcast_inputs=[W], updates=[(w, w + 1.0)])
+    g = synk.function([], (T.sum(u), "sum"), updates=[(u, u + 1.0)])
     synk.distribute()
     threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
     res = {}
@@ -349,6 +354,8 @@ def scenario_interrupt_compile():
     except BaseException as e:          # noqa: BLE001 - what exactly is raised is the point
         res["raised"] = type(e).__name__
     res["seconds"] = time.monotonic() - t0
+    g()                                  # the next command (its first call: the master's share first)
+    res["w_after"] = synk.gather(w).tolist()
     res["next"] = float(f(np.ones((4, 4)), np.eye(4)))
     res["open"] = synk.session_info().open
     synk.close()
