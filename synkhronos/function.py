@@ -195,6 +195,10 @@ class Function:
         with session.api(require_distributed=True):
             values, num_slices, wanted, sel, sel_s = self._validate(args, kwargs, output_subset, batch, batch_s,
                                                                      num_slices)
+            rows = self._solo_rows(values) if num_slices == 1 and wanted is sel is sel_s is None and not then else 0
+            if rows:                # one rank, nothing to split: the function itself (one GPU's path)
+                outs = self._replica.solo(session.device, [v.data if isinstance(v, Data) else v for v in values], rows)
+                return outs if self._return_list else (outs[0] if outs else [])
             datas = [self._stage(i, v) for i, v in enumerate(values)]
             plan, wire, total, idx_local = self._plan(datas, sel, sel_s, num_slices, wanted)
             mine, theirs, arrays = self._run(plan, wire, datas, total, idx_local, then)
@@ -203,6 +207,17 @@ class Function:
             if self._updates_sliceable:
                 session.lengths.clear()
             return outs
+
+    def _solo_rows(self, values):
+        """The rows of a call a one-rank session makes directly (``Replica.solo``), or 0:
+        warm, no selection, sliceable shareds, in-graph collective, command in flight,
+        debug fingerprint or timeline, and equal, non-zero rows."""
+        session = self._session
+        if (session.n != 1 or self._sliceable or self._collective or "f" not in self._warm or session.debug
+                or session.inflight is not None or session.timeline_path is not None):
+            return 0
+        lens = {len(v) for v in values[:len(self._inputs)]}
+        return (lens.pop() if len(lens) == 1 else 0) if lens else 1
 
     def _validate(self, args, kwargs, output_subset, batch, batch_s, num_slices):
         values = []
@@ -287,7 +302,9 @@ class Function:
         else:
             bounds = (0,) * (n + 1)
         if self._sliceable and (sel_s is not None or num_slices > 1 or ns or self._collective):
-            self._check_sliceable(sel_s, bounds if ns else None, num_slices)
+            rows_of = shards.check_sliceable(self._sliceable_lengths(), sel_s, bounds if ns else None)
+            if self._collective and not ns:
+                check_collective_rows(rows_of, num_slices)
         if self._collective and ns:
             check_collective_rows([bounds[r + 1] - bounds[r] for r in range(n)], num_slices)
         send = self._send_mask(wanted, self._master_has_rows(ns, bounds, sel_s))
@@ -334,8 +351,8 @@ class Function:
         self._warm.add(variant)
         return mine, theirs, arrays
 
-    def _check_sliceable(self, sel_s, bounds, num_slices=1):
-        """Check batch_s against every rank's sliceable-shared lengths, in the master."""
+    def _sliceable_lengths(self):
+        """Every rank's lengths of the sliceable shareds (the master's as they are now)."""
         session = self._session
         key = tuple(session.shared_ids[id(v)] for v in self._sliceable)
         lens = session.lengths.get(key)
@@ -346,26 +363,7 @@ class Function:
             session.lengths.put(key, lens)
         lens = [list(per) for per in lens]
         lens[session.rank] = [len(session.device.get(v)) for v in self._sliceable]   # master may set_value locally
-        rows_of = []
-        for r in range(session.n):
-            sel = None if sel_s is None else sel_s[r]
-            if sel is None and len(set(lens[r])) > 1:
-                raise ValueError(f"sliceable shareds have different lengths {lens[r]} on rank {r}; "
-                                 "pass batch_s or make them equal")
-            top = min(lens[r])
-            if sel is not None and shards.sel_max(sel) > top:
-                raise OutOfRange(f"batch_s selects row {shards.sel_max(sel) - 1} on rank {r}, but its "
-                                 f"sliceable shareds have only {top} rows")
-            rows_of.append(top if sel is None else shards.sel_length(sel, top))
-            if bounds is not None:
-                rows = bounds[r + 1] - bounds[r]
-                srows = rows_of[-1]
-                if rows != srows:
-                    raise ValueError(f"rank {r}: the scattered inputs give {rows} rows but the sliceable "
-                                     f"shareds give {srows}; their per-rank lengths must agree "
-                                     "(use batch / batch_s to select matching rows)")
-        if self._collective and bounds is None:
-            check_collective_rows(rows_of, num_slices)
+        return lens
 
     def _subset(self, output_subset):
         if output_subset is None:

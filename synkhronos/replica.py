@@ -12,7 +12,7 @@ import numpy as np
 from . import shards
 from .errors import OutOfRange
 from .reductions import combine
-from .signals import restore_interrupt
+from .signals import deferred, restore_interrupt
 
 
 class Replica:
@@ -85,6 +85,26 @@ class Replica:
         if not me.is_master and plan.send is not None:      # outputs the master will not use
             res = [o if plan.send[i] else None for i, o in enumerate(res)]
         return res, (1 if rows is None else rows)
+
+    def solo(self, device, arrays, rows):
+        """The whole call of a one-rank session, on ``arrays`` (its inputs as they are, no
+        staging, no command): the compiled function, the outputs combined as for a rank's
+        share of ``rows`` rows, then, once every output is in hand, the updates (at once:
+        a Ctrl-C lands before or after them).  The fast path of one GPU."""
+        try:
+            outs = self._call(device.call_inputs(arrays), (), None)
+            device.wait(outs)
+        except Exception as e:
+            better = device.explain(e, 0, f"function {self.fid}", arrays)
+            if better is None:
+                raise
+            raise better from e
+        n_out = self.n_out
+        res = [combine(m, [device.to_host(o)], [rows]) for m, o in zip(self.modes, outs[:n_out])]
+        with deferred():
+            for var, value in zip(self.update_vars, outs[n_out:]):
+                device.set(var, value)
+        return res
 
     def run_empty(self, scat, bcast, variant):
         """Every shard is empty: compute once on the empty input, as serial PyTensor would

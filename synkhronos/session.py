@@ -8,6 +8,7 @@ finished by the next command (its replies are collected by sequence number, neve
 confused with the current ones), and state changes of a call are committed on every rank
 only once every rank has succeeded (``commit``; workers apply theirs when the next
 command tells them to)."""
+import _thread
 import atexit
 import os
 import signal
@@ -36,31 +37,30 @@ class NestedCall(SynkError):
     """synkhronos was used while another of its calls was in progress on the same thread."""
 
 
-class _ApiScope:
-    __slots__ = ("session", "require_distributed")
-
-    def __init__(self, session, require_distributed):
-        self.session, self.require_distributed = session, require_distributed
+class _CallLock(_thread.RLock):
+    """The session's lock, entered by every public call (``with session.api(): ...``): one
+    call at a time; a call made from a signal handler or callback while another call of the
+    same thread is in progress is refused (``NestedCall``).  Taken in a signal window, and
+    given back by RLock's own exit: C code, where no Ctrl-C can land (a Python ``__exit__``
+    can be interrupted at its first line, and the lock then stayed taken: every later call
+    of the thread refused as nested, other threads locked out)."""
 
     def __enter__(self):
-        session = self.session
-        session.lock.acquire()
+        if self._is_owned():
+            raise NestedCall("synkhronos was called while another synkhronos call is in progress on this "
+                             "thread (from a signal handler or a callback?); the outer call is interrupted. "
+                             "Call synkhronos outside of signal handlers.")
+        taken = False
         try:
-            if session.depth and session.owner == threading.get_ident():
-                raise NestedCall("synkhronos was called while another synkhronos call is in progress on "
-                                 "this thread (from a signal handler or a callback?); the outer call is "
-                                 "interrupted. Call synkhronos outside of signal handlers.")
-            session.check_usable(self.require_distributed)
+            with signals.deferred():         # (what arrives meanwhile lands as the window closes)
+                self.acquire()
+                taken = True
+                self.session.check_usable(getattr(self.calls, "require", False))
         except BaseException:
-            session.lock.release()
+            if taken:
+                self.release()
             raise
-        session.depth += 1
-        session.owner = threading.get_ident()
-        return session
-
-    def __exit__(self, *exc):
-        self.session.depth -= 1
-        self.session.lock.release()
+        return self.session
 
 
 class _Inflight:
@@ -103,8 +103,8 @@ class Session:
         self.n_data = 0                # Data objects made (their IDs)
         self.scratch = {}              # reusable staging Data of the collectives
         self._next_check = 0.0         # (``_check``)
-        self.lock = threading.RLock()  # one command at a time, whichever thread calls
-        self.depth, self.owner = 0, None   # (``api``: nested calls of one thread)
+        self.lock = _CallLock()        # one command at a time, whichever thread calls (``api``)
+        self.lock.session, self.lock.calls = self, threading.local()
         self.saved_signals = {}
         self.lengths = LengthCache()
         self.closed_cleanly = False
@@ -228,7 +228,8 @@ class Session:
         """Entered by every public call (``with session.api(): ...``): one call at a time; a
         call made from a signal handler or callback while another call of this thread is in
         progress is refused."""
-        return _ApiScope(self, require_distributed)
+        self.lock.calls.require = require_distributed
+        return self.lock
 
     def check_usable(self, require_distributed=False):
         if os.getpid() != self.pid:
@@ -573,8 +574,11 @@ def close():
     the session is the parent's."""
     session = _session
     if session is not None and session.pid == os.getpid():
-        with session.lock:
+        session.lock.acquire()          # (the lock itself: not a call, which a closed session refuses)
+        try:
             session.shutdown(graceful=True)
+        finally:
+            session.lock.release()
 
 
 def _close_open_session():

@@ -137,3 +137,25 @@ def select(arr, sel, index=None):
     if sel[0] == "range":
         return arr[sel[1]:sel[2]]
     return np.take(arr, sel[1] if index is None else index, axis=0)
+
+
+def check_sliceable(lens, sel_s, bounds):
+    """Check ``batch_s`` (per rank, or None) against every rank's lengths ``lens`` of the
+    sliceable shared variables; ``bounds``: the scattered inputs' rows per rank (or None),
+    which must agree.  Returns the rows each rank computes on."""
+    rows_of = []
+    for r in range(len(lens)):
+        sel = None if sel_s is None else sel_s[r]
+        if sel is None and len(set(lens[r])) > 1:
+            raise ValueError(f"sliceable shareds have different lengths {lens[r]} on rank {r}; "
+                             "pass batch_s or make them equal")
+        top = min(lens[r])
+        if sel is not None and sel_max(sel) > top:
+            raise OutOfRange(f"batch_s selects row {sel_max(sel) - 1} on rank {r}, but its "
+                             f"sliceable shareds have only {top} rows")
+        rows_of.append(top if sel is None else sel_length(sel, top))
+        if bounds is not None and bounds[r + 1] - bounds[r] != rows_of[-1]:
+            raise ValueError(f"rank {r}: the scattered inputs give {bounds[r + 1] - bounds[r]} rows but the "
+                             f"sliceable shareds give {rows_of[-1]}; their per-rank lengths must agree "
+                             "(use batch / batch_s to select matching rows)")
+    return rows_of

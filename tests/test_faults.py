@@ -917,7 +917,7 @@ def test_ctrl_c_in_master(where, then):
 # ==============================================================================================
 # Ctrl-C at random instants, thousands of times
 
-@pytest.mark.parametrize("n,target", [(2, 1200), (3, 1500),
+@pytest.mark.parametrize("n,target", [(1, 300), (2, 1200), (3, 1500),
                                       pytest.param(3, 20000, marks=pytest.mark.slow)])
 def test_sigint_storm(n, target):
     """Calls (with updates, num_slices, every output mode) and collectives under SIGINTs at
