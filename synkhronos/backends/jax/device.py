@@ -265,6 +265,7 @@ class JaxDevice:
             raise ValueError(f"this session runs PyTensor's JAX backend (synk.fork(mode='JAX') or GPUs); "
                              f"functions compile with mode='JAX', got mode={mode!r}")
         runtime.ensure()
+        from .held import held
         from .host_ops import holds_host_ops, stretched
         from .ops import declared
 
@@ -273,6 +274,8 @@ class JaxDevice:
         given = list(givens.values()) if isinstance(givens, dict) else [v for _, v in (givens or [])]
         if holds_host_ops((list(outputs) if isinstance(outputs, list) else [outputs]) + given):
             mode = stretched(mode)          # in-graph collectives: jitted stretches between them
+        else:
+            mode = held(mode)               # a Ctrl-C during the dispatch stays a KeyboardInterrupt
         with compiling():
             fn = pytensor.function(inputs, outputs, givens=givens, mode=mode, **kwargs)
         if gens:

@@ -20,6 +20,7 @@ from pytensor.graph.basic import Constant
 from pytensor.graph.fg import FunctionGraph
 from pytensor.link.jax.linker import JAXLinker
 
+from .held import Held
 from .transfers import to_device
 
 
@@ -123,7 +124,7 @@ class Stretches:
         fg = FunctionGraph(ins, outs, clone=True)
         fn = jax_funcify(fg)
         static_nums = tuple(i for i, v in enumerate(ins) if v in static)
-        return jax.jit(fn, static_argnums=static_nums), ins, outs, set(static_nums)
+        return Held(jax.jit(fn, static_argnums=static_nums)), ins, outs, set(static_nums)
 
     def __call__(self, *args):
         env = dict(zip(self.inputs, args))
