@@ -127,7 +127,53 @@ def one_run(synk, rng, run, state):
     left = [e for e in os.listdir("/dev/shm") if e.startswith(prefix) or e.startswith("sem." + prefix)]
     if left:
         rec["ok"], rec["left"] = False, left
+    census = shm_census()
+    own = os.readlink("/proc/self/ns/mnt")
+    rec["free_mib"] = {("this host" if ns == own else "other"): h["free_mib"]
+                       for ns, h in census["shm"].items() if h["free_mib"] < 4096}
+    if os.environ.get("SYNK_CHAOS_CENSUS"):
+        rec["holders"] = [(p["pid"], p["cmd"][-30:], p["named_mib"], p["removed_mib"]) for p in census["procs"]]
+    if not rec["ok"]:
+        rec["census"] = census
     return rec
+
+
+def shm_census():
+    """Who holds shared memory now, for a run that went wrong: each mount namespace's
+    /dev/shm (free MiB, its files), and every process mapping /dev/shm files (MiB mapped of
+    files still named and of files already removed)."""
+    by_ns, procs = {}, []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ns = os.readlink(f"/proc/{pid}/ns/mnt")
+            with open(f"/proc/{pid}/maps") as fh:
+                maps = fh.read().splitlines()
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")[:80]
+        except OSError:
+            continue
+        named = removed = 0
+        for ln in maps:
+            if "/dev/shm/" not in ln:
+                continue
+            lo, hi = (int(a, 16) for a in ln.split()[0].split("-"))
+            if ln.endswith("(deleted)"):
+                removed += hi - lo
+            else:
+                named += hi - lo
+        if named or removed:
+            procs.append(dict(pid=int(pid), ns=ns, cmd=cmd, named_mib=round(named / 2**20, 1),
+                              removed_mib=round(removed / 2**20, 1)))
+        if ns not in by_ns:
+            try:
+                st = os.statvfs(f"/proc/{pid}/root/dev/shm")
+                files = {e.name: e.stat().st_blocks * 512 >> 20
+                         for e in os.scandir(f"/proc/{pid}/root/dev/shm")}
+                by_ns[ns] = dict(free_mib=st.f_bavail * st.f_frsize >> 20,
+                                 files={k: v for k, v in files.items() if v})
+            except OSError:
+                pass
+    return dict(shm=by_ns, procs=procs)
 
 
 def _as_promised(synk, fault, victim, host, err, seconds, v):
@@ -162,12 +208,13 @@ def main(runs, seed):
             records.append(one_run(synk, rng, run, state))
         except Exception:                                 # anything else is a failure, reported
             import traceback
-            records.append(dict(run=run, ok=False, error=traceback.format_exc()[-1500:]))
+            records.append(dict(run=run, ok=False, error=traceback.format_exc()[-1500:], census=shm_census()))
             synk.close()
         state["started"] = None
         r = records[-1]
         print(f"chaos run {run}: {r.get('fault')} of rank {r.get('victim')} ({r.get('host')}) during "
               f"{r.get('op')} {r.get('size')} B -> {r.get('raised')} in {r.get('seconds')} s "
+              f"(/dev/shm free MiB {r.get('free_mib')}{' held by ' + str(r['holders']) if r.get('holders') else ''}) "
               f"{'ok' if r['ok'] else 'WRONG'}{'' if r['ok'] else ': ' + str(r.get('error') or r.get('message'))}",
               flush=True)
     outcomes = {}

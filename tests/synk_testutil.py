@@ -210,3 +210,18 @@ def deleted_mappings():
     """How many removed synkhronos segments this process still maps (memory not given back)."""
     with open(f"/proc/{os.getpid()}/maps") as fh:
         return len({ln.split()[-2] for ln in fh if "/dev/shm/synk_" in ln and ln.rstrip().endswith("(deleted)")})
+
+
+def resident_shm(prefix, pid=None):
+    """Bytes of session ``prefix``'s /dev/shm files resident in process ``pid``'s mappings
+    (its memory still held through them; a released mapping counts nothing)."""
+    base = f"/dev/shm/{prefix.lstrip('/')}_"
+    total, inside = 0, False
+    with open(f"/proc/{pid or os.getpid()}/smaps") as fh:
+        for line in fh:
+            first = line.split(None, 1)[0]
+            if "-" in first and not first.endswith(":"):      # a mapping's header line
+                inside = base in line
+            elif inside and first == "Rss:":
+                total += int(line.split()[1]) * 1024
+    return total

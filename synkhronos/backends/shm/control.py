@@ -185,7 +185,9 @@ class ShmControl:
     def alloc(self, nbytes, tag="d"):
         shm.check_space(nbytes)
         self.n_buffers += 1
-        return ShmBuffer(shm.Segment(f"{self.prefix}_{tag}{self.n_buffers}", nbytes, create=True))
+        seg = shm.Segment(f"{self.prefix}_{tag}{self.n_buffers}", nbytes, create=True)
+        seg.kept = True                 # a user's Data: its values outlive the session
+        return ShmBuffer(seg)
 
     # ---- worker --------------------------------------------------------------------------
     def receive(self):

@@ -9,6 +9,7 @@ import mmap
 import os
 import re
 import secrets
+import weakref
 
 import numpy as np
 import posix_ipc
@@ -32,10 +33,14 @@ def new_prefix():
     return prefix
 
 
-class Segment:
-    """A mapped shared-memory segment.  The creator owns the name and unlinks it."""
+_mapped = weakref.WeakSet()     # every Segment of this process (remove_all gives their memory back)
 
-    __slots__ = ("name", "size", "mm", "owner", "__weakref__")
+
+class Segment:
+    """A mapped shared-memory segment.  The creator owns the name and unlinks it.
+    ``kept``: its contents outlive the session (a user's ``synk.Data``)."""
+
+    __slots__ = ("name", "size", "mm", "owner", "kept", "__weakref__")
 
     def __init__(self, name, size=0, create=False):
         if create:
@@ -51,7 +56,8 @@ class Segment:
             raise
         finally:
             shm.close_fd()
-        self.name, self.size, self.owner = name, size, create
+        self.name, self.size, self.owner, self.kept = name, size, create, False
+        _mapped.add(self)
 
     def array(self, dtype, shape, offset=0):
         """A numpy view of the segment (no copy)."""
@@ -112,10 +118,20 @@ def new_semaphore(name):
 
 
 def remove_all(prefix):
-    """Unlink every segment and semaphore whose name starts with ``prefix`` + ``_``.
+    """Unlink every segment and semaphore whose name starts with ``prefix`` + ``_``, and
+    give back the memory of this process's mappings of them (but a ``kept`` one's).
 
-    Returns the number removed.  Safe to call from any rank, any number of times."""
+    The session is over, yet objects that outlive it can still hold its mappings: an
+    exception's traceback holds the frames that held views, until the garbage collector
+    finds the cycle.  Their memory would stay in use (on a host whose /dev/shm is small,
+    enough to refuse the next session's buffers).  Returns the number removed.  Safe to call
+    from any rank, any number of times."""
     base = prefix.lstrip("/") + "_"      # this session's names only, never a longer prefix
+    mine = [seg for seg in list(_mapped) if seg.name.lstrip("/").startswith(base)]
+    kept = {seg.name for seg in mine if seg.kept}       # (a file's memory is the file's: any
+    for seg in mine:                                    # mapping of a kept one keeps it)
+        if seg.name not in kept:
+            seg.release()
     removed = 0
     try:
         entries = os.listdir(SHM_DIR)
