@@ -101,7 +101,7 @@ def _scratch(session, kind, i, dtype, shape):
     size = int(np.prod(shape))
     d = cache.get((kind, i))
     if d is None or d.dtype != dtype:
-        d = cache[(kind, i)] = Data(dtype, 1, name=f"coll_{kind}", _session=session)
+        d = cache[(kind, i)] = Data(dtype, 1, name=f"coll_{kind}", _session=session, _scratch=True)
     resize(d, (size,), 1.5 if size > d.alloc_size else 1, keep=False)
     return ArrayRef(array_ref(d).handle, dtype.str, tuple(shape)), d.data.reshape(shape)
 

@@ -113,8 +113,10 @@ class MasterControl(Control, Protocol):
     def peek(self, seq: int, rank: int) -> Optional[Reply]:
         """Rank ``rank``'s reply to command ``seq`` if it is there already, else None."""
 
-    def alloc(self, nbytes: int, tag: str = "d") -> Buffer:
-        """A ``Buffer`` of at least ``nbytes`` that every rank can ``view``."""
+    def alloc(self, nbytes: int, tag: str = "d", kept: bool = True) -> Buffer:
+        """A ``Buffer`` of at least ``nbytes`` that every rank can ``view``; ``kept``: its
+        contents outlive the session (a user's ``synk.Data``; the session's own staging
+        is not, and its memory goes back when the session ends, whoever still maps it)."""
 
     def flights(self, wait: float = 0.0, ranks: Optional[dict] = None, host: str = "") -> list:
         """Every rank's ``flight.RankFlight`` (other hosts' asked for and awaited ``wait``

@@ -72,8 +72,9 @@ class Data:
     ``set_value``/``set_shape``/``set_length`` resize it, reusing the allocation whenever the
     new size fits.  Create it with ``synk.data(...)``."""
 
-    def __init__(self, dtype, ndim, minibatch=False, name=None, _session=None):
+    def __init__(self, dtype, ndim, minibatch=False, name=None, _session=None, _scratch=False):
         session = _session or get_session()
+        self._scratch = _scratch          # synkhronos' own staging: nothing to keep after the session
         self._session_ref = weakref.ref(session)
         self.ID = session.n_data
         session.n_data += 1
@@ -183,7 +184,7 @@ class Data:
             return
         old = self._arr
         n_items = max(size, int(size * oversize))
-        buf = session.me.control.alloc(n_items * self._dtype.itemsize)
+        buf = session.me.control.alloc(n_items * self._dtype.itemsize, kept=not self._scratch)
         new = buf.array(self._dtype, shape)
         if keep and old.ndim and old.shape[1:] == shape[1:]:
             rows = min(len(old), shape[0])

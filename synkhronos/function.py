@@ -169,7 +169,8 @@ class Function:
             return value
         d = self._staging[i]
         if d is None:
-            d = self._staging[i] = Data(value.dtype, value.ndim, name=f"staging{i}", _session=self._session)
+            d = self._staging[i] = Data(value.dtype, value.ndim, name=f"staging{i}",
+                                        _session=self._session, _scratch=True)
         resize(d, value.shape, 1.5 if value.size > d.alloc_size else 1, keep=False)
         np.copyto(d.data, value)
         return d
@@ -177,7 +178,7 @@ class Function:
     def _stage_index(self, idx):
         st = self._idx_stage
         if st is None:
-            st = self._idx_stage = Data(np.int64, 1, name="batch_idx", _session=self._session)
+            st = self._idx_stage = Data(np.int64, 1, name="batch_idx", _session=self._session, _scratch=True)
         resize(st, idx.shape, 1.5 if idx.size > st.alloc_size else 1, keep=False)
         np.copyto(st.data, idx)
         return st

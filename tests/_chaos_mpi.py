@@ -195,6 +195,7 @@ def _as_promised(synk, fault, victim, host, err, seconds, v):
 
 def main(runs, seed):
     import synkhronos as synk
+    faulthandler.enable()          # a crash (SIGSEGV, SIGBUS) prints every thread's stack
     fs.quiet()
     rng = np.random.default_rng(seed)
     state = {}

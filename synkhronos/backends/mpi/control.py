@@ -144,8 +144,8 @@ class HierControl:
             return self.hub.replies.get(seq, {}).get(rank)
         return self.local.peek(seq, rank)
 
-    def alloc(self, nbytes, tag="d"):
-        return self.local.alloc(nbytes, tag)
+    def alloc(self, nbytes, tag="d", kept=True):
+        return self.local.alloc(nbytes, tag, kept)
 
     # every rank
     def begin(self, seq):

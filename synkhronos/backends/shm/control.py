@@ -182,11 +182,11 @@ class ShmControl:
         """Rank ``rank``'s reply to command ``seq`` if it is there already, else None."""
         return self.reply_of(rank, seq) if self.get_field(rank, REPLY_SEQ) == seq else None
 
-    def alloc(self, nbytes, tag="d"):
+    def alloc(self, nbytes, tag="d", kept=True):
         shm.check_space(nbytes)
         self.n_buffers += 1
         seg = shm.Segment(f"{self.prefix}_{tag}{self.n_buffers}", nbytes, create=True)
-        seg.kept = True                 # a user's Data: its values outlive the session
+        seg.kept = kept                 # a user's Data: its values outlive the session
         return ShmBuffer(seg)
 
     # ---- worker --------------------------------------------------------------------------
