@@ -63,20 +63,13 @@ class Replica:
                 rows = self.sliceable_length(device)
         if rows == 0:
             return None
-        try:
+        def compute():
             if num_slices <= 1 or rows is None:     # every input to the device at once (rows: this rank's)
                 moved = device.call_inputs(list(scat) + list(bcast) + ([] if sel_idx is None else [sel_idx]))
                 k = len(scat)
-                outs = self._call(moved[:k], moved[k:k + len(bcast)], None if sel_idx is None else moved[-1])
-            else:
-                bcast = device.call_inputs(bcast)
-                outs = self._sliced(scat, bcast, sel_idx, rows, num_slices, device)
-            device.wait(outs)
-        except Exception as e:
-            better = device.explain(e, rank, f"function {self.fid}", list(scat) + list(bcast))
-            if better is None:
-                raise
-            raise better from e
+                return self._call(moved[:k], moved[k:k + len(bcast)], None if sel_idx is None else moved[-1])
+            return self._sliced(scat, device.call_inputs(bcast), sel_idx, rows, num_slices, device)
+        outs = self._computed(compute, device, rank, list(scat) + list(bcast))
         n_out = self.n_out
         news = outs[n_out:]
         if self.update_vars:
@@ -91,14 +84,7 @@ class Replica:
         staging, no command): the compiled function, the outputs combined as for a rank's
         share of ``rows`` rows, then, once every output is in hand, the updates (at once:
         a Ctrl-C lands before or after them).  The fast path of one GPU."""
-        try:
-            outs = self._call(device.call_inputs(arrays), (), None)
-            device.wait(outs)
-        except Exception as e:
-            better = device.explain(e, 0, f"function {self.fid}", arrays)
-            if better is None:
-                raise
-            raise better from e
+        outs = self._computed(lambda: self._call(device.call_inputs(arrays), (), None), device, 0, arrays)
         n_out = self.n_out
         res = [combine(m, [device.to_host(o)], [rows]) for m, o in zip(self.modes, outs[:n_out])]
         with deferred():
@@ -127,6 +113,19 @@ class Replica:
             raise OutOfRange(f"batch_s index {idx.max()} is out of range for rank {rank}'s "
                              f"sliceable shareds of length {local_len}")
         return idx
+
+    def _computed(self, compute, device, rank, inputs):
+        """``compute()``'s values, ready on the device; its failure as the device explains it
+        (e.g. out of device memory, naming the rank and the inputs' sizes)."""
+        try:
+            outs = compute()
+            device.wait(outs)
+            return outs
+        except Exception as e:
+            better = device.explain(e, rank, f"function {self.fid}", inputs)
+            if better is None:
+                raise
+            raise better from e
 
     def _call(self, scat, bcast, sel_idx):
         try:
