@@ -18,7 +18,11 @@ Modes:
   buffer, ``Barrier`` before each repetition, the time of a repetition is the slowest
   rank's (``allreduce(MAX)`` of the ranks' times, not timed); same values and checks.  With
   ``"pin": true`` the first rank of each host pins itself to a core of its own (core i for
-  host i).
+  host i).  With ``"driven": true``, what a master-driven program needs at the least (the
+  model synkhronos follows: one process decides, the others act on its word): rank 0 sends
+  the command (``Bcast`` of 16 bytes: the others wait for it inside MPI), every rank runs the
+  ``Allreduce``, then rank 0 hears that every rank is done (``Gather`` of one byte); the time
+  is rank 0's, from the command to the last "done".
 * ``overhead``: ``synk.fork(n)``; ``f = synk.function([x], (T.sum(x), "sum"))`` called on an
   8-element float32 ``synk.data``, against ``pytensor.function([x], T.sum(x))`` on the same
   numpy array, alternating blocks; median per-call time of the blocks.
@@ -120,21 +124,29 @@ def mpi_allreduce(spec):
     else:
         comm.gather((comm.rank, MPI.Get_processor_name()))
     sizes, reps, warmup = spec["sizes"], spec["reps"], spec["warmup"]
+    driven = bool(spec.get("driven"))
     for size, r in zip(sizes, reps):
         buf = np.full(size // 4, V0, np.float32)
+        cmd, done, dones = np.zeros(2, np.int64), np.ones(1, np.uint8), np.zeros(n, np.uint8)
         ts = []
         for i in range(warmup + r):
             comm.Barrier()
             t = time.perf_counter()
-            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-            dt = time.perf_counter() - t
-            dt = comm.allreduce(dt, op=MPI.MAX)
+            if driven:
+                cmd[:] = (1, size)
+                comm.Bcast(cmd, root=0)
+                comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+                comm.Gather(done, dones, root=0)
+                dt = comm.bcast(time.perf_counter() - t, root=0)
+            else:
+                comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+                dt = comm.allreduce(time.perf_counter() - t, op=MPI.MAX)
             if i >= warmup:
                 ts.append(dt)
         want = expected(n, warmup + r)
         ok = comm.allreduce(bool(buf[0] == want and buf[-1] == want), op=MPI.LAND)
         if comm.rank == 0:
-            emit("allreduce", impl="mpi4py", size=size, times=ts, ok=bool(ok),
+            emit("allreduce", impl="mpi4py_driven" if driven else "mpi4py", size=size, times=ts, ok=bool(ok),
                  check=dict(want=want, got=[float(buf[0]), float(buf[-1])]))
         del buf
 

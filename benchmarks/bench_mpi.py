@@ -280,7 +280,7 @@ class Bench:
 
     # ---- 1. all_reduce -------------------------------------------------------------------
     def allreduce(self, sizes, reps, warm, rounds, placements):
-        keys = [(impl, pl) for pl in placements for impl in ("synk", "mpi4py")]
+        keys = [(impl, pl) for pl in placements for impl in ("synk", "mpi4py", "mpi4py_driven")]
         raw = {k: {s: [] for s in sizes} for k in keys}
         per_round = {k: {s: [] for s in sizes} for k in keys}
         checks = []
@@ -293,7 +293,7 @@ class Bench:
                     raw[key][r["size"]] += ts
                     per_round[key][r["size"]].append(med(ts))
                     checks.append(bool(r["ok"]))
-                    log(f"all_reduce {key[0]:6s} {key[1]:7s} round {rnd + 1}/{rounds} "
+                    log(f"all_reduce {key[0]:13s} {key[1]:7s} round {rnd + 1}/{rounds} "
                         f"{fmt_size(r['size']):>6}: median {fmt_t(med(ts))} over {len(ts)} reps "
                         f"(min {fmt_t(min(ts))})"
                         f"{'' if r['ok'] else '  WRONG RESULT ' + json.dumps(r['check'])}")
@@ -304,7 +304,7 @@ class Bench:
                         spec["go"] = self.go_path()
                     cmd = self.mpiexec(2, 1, [PROG, "synk_allreduce", json.dumps(spec)])
                 else:
-                    spec.update(ppn=PER_HOST, pin=pl == "pinned")
+                    spec.update(ppn=PER_HOST, pin=pl == "pinned", driven=impl == "mpi4py_driven")
                     cmd = self.mpiexec(N_RANKS, PER_HOST, [PROG, "mpi_allreduce", json.dumps(spec)])
                 rc, _, _, wall = self.run(f"all_reduce {impl} {pl} round {rnd + 1}", cmd, show,
                                           pin=impl == "synk" and pl == "pinned")
@@ -488,28 +488,36 @@ def main():
     f = 2 * (n - 1) / n
     ar = {pl: {} for pl in placements}
     print(f"\n1. all_reduce (float32, sum), 2 hosts x {PER_HOST} rank(s): median time, algbw / busbw [GB/s]; "
-          "ratio = synk time / mpi4py time (<1: synk faster), per-round ratios in brackets")
+          "ratio = synk time / mpi4py time (<1: synk faster), per-round ratios in brackets; "
+          "driven: mpi4py master-driven (see below), ratio = synk / driven")
     for pl in placements:
         print(f"\n  placement '{pl}'" + (" (kernel's choice)" if pl == "default" else
                                          " (each host's MPI leader on its own core)"))
         hdr = (f"  {'size':>7} | {'synk':>10} {'alg':>6} {'bus':>6} | {'mpi4py':>10} {'alg':>6} "
-               f"{'bus':>6} | {'ratio':>6}  per round")
+               f"{'bus':>6} | {'ratio':>6}  per round | {'driven':>9} {'ratio':>6}")
         print(hdr)
         print("  " + "-" * (len(hdr) - 2))
         for s in sizes:
-            xs, xm = raw[("synk", pl)][s], raw[("mpi4py", pl)][s]
-            ts, tm = med(xs), med(xm)
+            xs, xm, xd = raw[("synk", pl)][s], raw[("mpi4py", pl)][s], raw[("mpi4py_driven", pl)][s]
+            ts, tm, td = med(xs), med(xm), med(xd)
             rr = [q / m for q, m in zip(per_round[("synk", pl)][s], per_round[("mpi4py", pl)][s])]
             a_s, a_m = s / ts / 1e9, s / tm / 1e9
             ar[pl][s] = dict(synk_s=ts, mpi4py_s=tm, ratio=ts / tm, ratio_per_round=rr,
                              synk_algbw_GBps=a_s, synk_busbw_GBps=a_s * f, mpi4py_algbw_GBps=a_m,
-                             mpi4py_busbw_GBps=a_m * f, synk_times=xs, mpi4py_times=xm)
+                             mpi4py_busbw_GBps=a_m * f, synk_times=xs, mpi4py_times=xm,
+                             driven_s=td, ratio_driven=ts / td, driven_times=xd)
             print(f"  {fmt_size(s):>7} | {fmt_t(ts):>10} {a_s:6.3f} {a_s * f:6.3f} | {fmt_t(tm):>10} "
-                  f"{a_m:6.3f} {a_m * f:6.3f} | {fmt_r(ts / tm):>6}  [{' '.join(fmt_r(x) for x in rr)}]")
+                  f"{a_m:6.3f} {a_m * f:6.3f} | {fmt_r(ts / tm):>6}  [{' '.join(fmt_r(x) for x in rr)}] | "
+                  f"{fmt_t(td):>9} {fmt_r(ts / td):>6}")
         worst = max(sizes, key=lambda s: ar[pl][s]["ratio"])
         met = ar[pl][worst]["ratio"] <= 1.5
         print(f"  goal (synk within 1.5x of mpi4py at every size): {'MET' if met else 'NOT MET'} "
               f"(worst {fmt_size(worst)}: {ar[pl][worst]['ratio']:.2f}x)")
+        floor = max(sizes, key=lambda s: ar[pl][s]["driven_s"] / ar[pl][s]["mpi4py_s"])
+        print(f"  driven: mpi4py as a master-driven program (rank 0 sends the command, all Allreduce, "
+              f"rank 0 hears every rank done) -- the least any design where one process decides needs; "
+              f"it alone is {ar[pl][floor]['driven_s'] / ar[pl][floor]['mpi4py_s']:.2f}x the Allreduce "
+              f"at {fmt_size(floor)}")
     print(f"  results checked (exact value after the last call, every rank, first and last element): "
           f"{'ok' if checks_ok else 'WRONG RESULTS (see above)'}")
 
@@ -608,10 +616,15 @@ def plot(sizes, ar, ov, path):
             name = "synkhronos" if impl == "synk" else "mpi4py Allreduce"
             ax[0].loglog(x, [d[s][f"{impl}_s"] * 1e3 for s in sizes], styles[pl] + mark,
                          color=color, label=f"{name} ({pl})")
+            if impl == "mpi4py":
+                ax[0].loglog(x, [d[s]["driven_s"] * 1e3 for s in sizes], styles[pl] + "v", color="C5",
+                             label=f"mpi4py master-driven ({pl})")
             ax[1].loglog(x, [d[s][f"{impl}_busbw_GBps"] for s in sizes], styles[pl] + mark,
                          color=color, label=f"{name} ({pl})")
         ax[2].semilogx(x, [d[s]["ratio"] for s in sizes], styles[pl] + "o",
                        color="C2" if pl == "default" else "C4", label=f"synk / mpi4py ({pl})")
+        ax[2].semilogx(x, [d[s]["driven_s"] / d[s]["mpi4py_s"] for s in sizes], styles[pl] + "v",
+                       color="C5", label=f"master-driven mpi4py / mpi4py ({pl})")
         for s in sizes:
             rr = d[s]["ratio_per_round"]
             ax[2].plot([s] * len(rr), rr, "x", color="0.6")

@@ -3,10 +3,12 @@
     python scripts/leakcheck.py PREFIX_LOG
 
 PREFIX_LOG is the file that synkhronos appended every session prefix to during the run
-(``SYNK_PREFIX_LOG``).  Reports, and exits 1 for, any /dev/shm entry of those sessions and
-any live process that inherited ``SYNK_PREFIX_LOG=PREFIX_LOG`` (a worker, a test's master
-program).  Other programs of the same user on the machine are not looked at.  A process
+(``SYNK_PREFIX_LOG``; with pytest-xdist, each test process's ``PREFIX_LOG.<worker>`` too).
+Reports, and exits 1 for, any /dev/shm entry of those sessions and any live process that
+inherited ``SYNK_PREFIX_LOG=PREFIX_LOG`` or ``PREFIX_LOG.<worker>`` (a worker, a test's
+master program).  Other programs of the same user on the machine are not looked at.  A process
 that is still exiting gets a few seconds."""
+import glob
 import os
 import sys
 import time
@@ -34,7 +36,7 @@ def procs_left(marker):
                 state = fh.read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if marker in env and state not in ("Z", "X"):
+        if any(v == marker or v.startswith(marker + b".") for v in env) and state not in ("Z", "X"):
             try:
                 with open(f"/proc/{name}/cmdline", "rb") as fh:
                     cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
@@ -46,11 +48,14 @@ def procs_left(marker):
 
 def main():
     log = sys.argv[1]
-    try:
-        with open(log) as fh:
-            prefixes = sorted({ln.strip() for ln in fh if ln.strip()})
-    except OSError:
-        prefixes = []
+    prefixes = set()
+    for path in [log] + sorted(glob.glob(glob.escape(log) + ".*")):
+        try:
+            with open(path) as fh:
+                prefixes.update(ln.strip() for ln in fh if ln.strip())
+        except OSError:
+            pass
+    prefixes = sorted(prefixes)
     marker = f"SYNK_PREFIX_LOG={log}".encode()
     deadline = time.monotonic() + 5.0
     while True:

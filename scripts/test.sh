@@ -4,6 +4,8 @@
 # Then the functional tests (marker "functional", see tests/conftest.py) run a second time
 # on PyTensor's JAX backend (SYNK_MODE=JAX); SYNK_JAX_PASS=0 skips that pass, and it is
 # skipped when -m is given.
+# Both passes run in parallel processes (pytest-xdist, one test module per process at a time):
+# SYNK_TEST_PROCS of them (default: the usable cores, at most 4; 1: none).
 # Shared memory or processes left behind by the sessions of this run fail it.
 set -euo pipefail
 
@@ -34,10 +36,18 @@ fi
 # so that the leak check below looks at this run only, not at other programs of this user
 SYNK_PREFIX_LOG="$(mktemp -t synk-test-prefixes.XXXXXXXX)"
 export SYNK_PREFIX_LOG
-trap 'rm -f "$SYNK_PREFIX_LOG"' EXIT
+trap 'rm -f "$SYNK_PREFIX_LOG" "$SYNK_PREFIX_LOG".*' EXIT
+
+procs="${SYNK_TEST_PROCS:-$(.venv/bin/python -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}"
+par=()
+if [[ "$procs" -gt 1 ]]; then
+    par=(-n "$procs" --dist loadfile)
+fi
 
 rc=0
-.venv/bin/python -m pytest "${args[@]}" || rc=$?
+start=$SECONDS
+.venv/bin/python -m pytest ${par[@]+"${par[@]}"} "${args[@]}" || rc=$?
+echo "synkhronos test: main pass took $((SECONDS - start)) s ($procs process(es))"
 if [[ $rc -eq 5 ]]; then
     echo "synkhronos test: pytest collected no tests (exit 5) -- treating as failure" >&2
     rc=1
@@ -50,7 +60,7 @@ if [[ "${SYNK_JAX_PASS:-1}" != "0" && $have_m -eq 0 ]]; then
     echo "synkhronos test: functional tests again with SYNK_MODE=JAX (-m \"$jmark\")"
     jstart=$SECONDS
     jrc=0
-    SYNK_MODE=JAX .venv/bin/python -m pytest -m "$jmark" "$@" || jrc=$?
+    SYNK_MODE=JAX .venv/bin/python -m pytest ${par[@]+"${par[@]}"} -m "$jmark" "$@" || jrc=$?
     echo "synkhronos test: JAX pass took $((SECONDS - jstart)) s"
     if [[ $jrc -ne 0 && $jrc -ne 5 ]]; then   # 5: the arguments selected no functional test
         rc=$jrc

@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 
 from . import signals
 import numpy as np
@@ -329,6 +330,10 @@ class Session:
                     me.control.abort(seq)     # workers leave their barriers and votes
                     if _is_interrupt(e):
                         raise
+                    # kept until the command ends: its finished frames' locals go now (their
+                    # views of shared memory would keep a segment replaced later mapped, the
+                    # exception and this frame being a cycle that only the collector breaks)
+                    traceback.clear_frames(e.__traceback__)
                     local_exc = e
             try:
                 replies = self._collect_all(what)

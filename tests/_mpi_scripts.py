@@ -148,6 +148,16 @@ def scenario_features(n):
     ck.equal("gather unequal is a list", [len(p) for p in g1], [r + 1 for r in range(n)])
     ck.close("gather nd_up=0", synk.gather(v, nd_up=0), np.concatenate(unequal))
     ck.equal("get_shapes", synk.get_shapes(v), [(r + 1,) for r in range(n)])
+    for op in ("sum", "avg"):           # shapes that differ between ranks (and hosts): refused
+        try:                            # on every rank, nothing changed, the session goes on
+            synk.all_reduce(v, op=op)
+            ck.equal(f"all_reduce {op} of unequal shapes raises", "no error", "ValueError")
+        except ValueError as e:
+            ck.equal(f"all_reduce {op} of unequal shapes: the message",
+                     "needs the same shape on every rank" in str(e) and str([(r + 1,) for r in range(n)]) in str(e),
+                     True)
+        ck.close(f"all_reduce {op} of unequal shapes changed nothing", np.concatenate(synk.gather(v)),
+                 np.concatenate(unequal))
     synk.all_gather(v)
     ck.close("all_gather", synk.get_value(n - 1, v), np.concatenate(unequal))
     synk.set_value(n - 1, v, np.full(7, 3.0), batch=slice(1, 5))

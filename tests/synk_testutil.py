@@ -9,11 +9,17 @@ import synkhronos as synk
 from synkhronos.backends.shm import segments as shm
 
 # Every new session prefix is appended to this file by synkhronos (SYNK_PREFIX_LOG), in this
-# process and in every program the tests start: the leak checks look only at those.
+# process and in every program the tests start: the leak checks look only at those.  Under
+# pytest-xdist each test process keeps a log of its own, PREFIX_LOG.<worker> (a module's
+# check must not see the live sessions of the module another process runs meanwhile);
+# scripts/leakcheck.py reads them all.
 if not os.environ.get("SYNK_PREFIX_LOG"):
     _fd, _path = tempfile.mkstemp(prefix="synk-test-prefixes-")
     os.close(_fd)
     os.environ["SYNK_PREFIX_LOG"] = _path
+if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("SYNK_PREFIX_LOG_WORKER"):
+    os.environ["SYNK_PREFIX_LOG"] += "." + os.environ["PYTEST_XDIST_WORKER"]
+    os.environ["SYNK_PREFIX_LOG_WORKER"] = "1"
 PREFIX_LOG = os.environ["SYNK_PREFIX_LOG"]
 
 

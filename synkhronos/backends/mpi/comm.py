@@ -9,6 +9,7 @@ from ..shm import segments as shm
 from ..shm.chunks import chunk_bounds, row_blocks
 from ..shm.slots import RESULT, Slots
 from ... import reductions as red
+from ... import signals
 from ...errors import Aborted
 from ...kernels import half
 
@@ -17,7 +18,8 @@ class HierComm:
     """Collectives of a session spanning several hosts, as every rank runs them: shared
     memory among the ranks of a host, one MPI collective between hosts on a host buffer
     (run by the host's MPI process), shared memory again to give every rank the result.
-    Nothing any rank can see changes before every rank of every host voted yes."""
+    Nothing any rank can see changes before every rank of every host is ready: a vote, or
+    for a reduction the gather of the hosts' shapes (its commit: one exchange less)."""
 
     name = "hier"
     returns_new = ("all_gatherv", "reduce_scatter", "gatherv")   # verbs whose results are new arrays
@@ -101,7 +103,17 @@ class HierComm:
         return self.requests.answer_obj(token)
 
     def _host_buffer(self, key, kind, dtype, count):
-        """A buffer of the host (owned by its first rank) for ``key``: every rank's view."""
+        """A buffer of the host (owned by its first rank) for ``key``: every rank's view, and
+        its name."""
+        name = self._attach(key, kind, dtype, count)
+        return self._host_view(key, kind, dtype, count), name
+
+    def _host_view(self, key, kind, dtype, count):
+        return self.attached[(key, kind)][1].array(np.dtype(dtype), (count,))
+
+    def _attach(self, key, kind, dtype, count):
+        """Make (the host's first rank) and map (every rank) the host buffer for ``key``;
+        its name."""
         dtype = np.dtype(dtype)
         nbytes = max(64, count * dtype.itemsize)
         name = None
@@ -124,8 +136,8 @@ class HierComm:
         name = self._host(name)
         cur = self.attached.get((key, kind))
         if cur is None or cur[0] != name:       # (a replaced buffer is unmapped here)
-            cur = self.attached[(key, kind)] = (name, self.hbufs[(key, kind)] if self.pos == 0 else shm.Segment(name))
-        return cur[1].array(dtype, (count,)), name
+            self.attached[(key, kind)] = (name, self.hbufs[(key, kind)] if self.pos == 0 else shm.Segment(name))
+        return name
 
     def _commit(self, write=None):
         if not self.ctl.vote(True, on_commit=write):
@@ -153,28 +165,35 @@ class HierComm:
             view = self.slots.publish(key, np.asarray(arr))
             staged.append((key, view.reshape(-1), view.shape))
         self.ctl.host_barrier()
+        half = op in ("sum", "avg") and len(self.host_sizes) > 1     # float16: see _half_between_hosts
+        kinds = []
+        for key, flat, shape in staged:      # this host's buffers, before the hosts agree: as
+            # large as the largest of the host's ranks (equal to every rank's once they agree)
+            count = max(int(np.prod(self.slots.shape(key, r))) for r in self.members)
+            acc = None if half and flat.dtype == np.float16 else red.accumulator(op, flat.dtype)
+            need = ((("r", np.float16, count), ("q", np.float16, len(self.host_sizes) * count)) if acc is None
+                    else (("r", acc, count),))
+            names = tuple(self._attach(key, *k) for k in need)        # (no view yet: see below)
+            kinds.append((acc, need, names))
+        # every rank of every host is ready once the hosts' shapes are gathered: that exchange
+        # is the commit (no vote after it, one exchange between hosts less); from here on the
+        # collective is finished before an interrupt lands, as after a vote
+        signals.hold()
         every = self._all_shapes([(k, s) for k, _, s in staged])
         for (key, _, _), shapes in zip(staged, every):
-            if len(set(shapes)) > 1:
-                of = f" of {self.names[key]}" if key in self.names else ""
+            if len(set(shapes)) > 1:    # (no view of a host buffer in this frame: the traceback
+                of = f" of {self.names[key]}" if key in self.names else ""     # keeps it)
                 raise ValueError(f"{what}{of} needs the same shape on every rank, got {shapes} (by rank)")
         plans = []
-        for key, flat, shape in staged:
-            acc = red.accumulator(op, flat.dtype)
-            if flat.dtype == np.float16 and op in ("sum", "avg") and len(self.host_sizes) > 1:
-                acc = None                # float16 between hosts: see _half_between_hosts
-                (h, hn), (q, qn) = (self._host_buffer(key, "r", np.float16, flat.size),
-                                    self._host_buffer(key, "q", np.float16, len(self.host_sizes) * flat.size))
-                hbuf, hname = (h, q), (hn, qn)
-            else:
-                hbuf, hname = self._host_buffer(key, "r", acc, flat.size)
+        for (key, flat, shape), (acc, need, names) in zip(staged, kinds):
+            hbufs = tuple(self._host_view(key, kind, dtype, count) for kind, dtype, count in need)
+            hbuf, hname = (hbufs, names) if acc is None else (hbufs[0], names[0])
             srcs = [self.slots.view(key, r, flat.dtype).reshape(-1) for r in self.members]
             out = None            # in place: the source itself (read before the MPI step, written after)
             if root is None or self.grank == root:
                 out = (self.slots.view(key, self.slot, flat.dtype) if in_place else
                        self.slots.ensure(key, flat.dtype, shape, plane=RESULT))
             plans.append((key, flat, shape, acc, hbuf, hname, srcs, out))
-        self._commit()                  # every rank of every host is ready: now compute
         fn = red.UFUNC[op]
         for key, flat, shape, acc, hbuf, hname, srcs, out in plans:
             if acc is None:
