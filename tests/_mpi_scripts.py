@@ -35,8 +35,17 @@ def _session(n):
     synk.fork(None if n == "auto" else int(n))
     info = synk.session_info()
     ranks = [(r.rank, r.host, r.pid) for r in info.ranks]
-    _info(ranks=ranks, hosts=sorted({h for _, h, _ in ranks}), prefix=info.resources["shm_prefix"])
+    _info(ranks=ranks, hosts=sorted({h for _, h, _ in ranks}), prefix=info.resources["shm_prefix"],
+          mpich=_mpich_mapped())
     return info
+
+
+def _mpich_mapped():
+    """MPICH's shared-memory files this process maps (its job's: the tests look for them
+    after the job, not at every ``mpich_shm_*`` file, which other jobs may be making)."""
+    with open("/proc/self/maps") as fh:
+        return sorted({os.path.basename(ln.split()[5]) for ln in fh
+                       if len(ln.split()) > 5 and "/mpich_shm_" in ln.split()[5]})
 
 
 class Checks:
@@ -242,6 +251,46 @@ def scenario_fault(n, what):
     _lose_rank(info.ranks[-1], what, 0.5, lambda: f(data), res)
     synk.close()
     _result(**res)
+
+
+def scenario_step_fails(n):
+    """A training step whose gradient raises in the last rank (the other host) before the
+    step's all-reduce between hosts: what is raised, how fast, the parameters of every rank
+    before and after, and the next step (the loss is linear in ``w``: every good step takes
+    the same amount off, a failed one nothing)."""
+    import pytensor
+    import pytensor.tensor as T
+    import synkhronos as synk
+    from synkhronos.extensions import train, updates
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _fault_scripts as fs
+    fs.quiet()
+    info = _session(n)
+    n = info.n
+    x = T.matrix("x", dtype="float64")
+    w = pytensor.shared(np.ones(3), name="w")
+    loss = T.sum(fs.Fault("raise", rank=n - 1)(x).dot(w))
+    step = train.make_train_function(loss, [w], [x], update_rule=updates.sgd, learning_rate=0.01)
+    synk.distribute()
+    X = np.arange(6.0 * n).reshape(2 * n, 3) / (6.0 * n)
+    bad = X.copy()
+    bad[-1, 0] = fs.TRIGGER                 # in the last rank's rows
+    step(X)
+    w1 = np.stack(synk.gather(w, nd_up=1))
+    t = time.monotonic()
+    raised = message = None
+    try:
+        step(bad)
+    except Exception as e:
+        raised, message = type(e).__name__, str(e)[:500]
+    seconds = time.monotonic() - t
+    after = np.stack(synk.gather(w, nd_up=1))
+    step(X)
+    w2 = np.stack(synk.gather(w, nd_up=1))
+    synk.close()
+    _result(raised=raised, message=message, seconds=seconds, moved=bool(np.any(w1 != 1.0)),
+            unchanged=bool(np.array_equal(after, w1)), ranks_agree=bool(np.all(w1 == w1[0])),
+            next_step_right=bool(np.allclose(w2, 2 * w1 - 1.0, rtol=0, atol=1e-12)))
 
 
 def _lose_rank(victim, what, after, call, res):
@@ -474,5 +523,5 @@ def scenario_elastic(ckpt, steps, pause):
 
 if __name__ == "__main__":
     name, args = sys.argv[1], sys.argv[2:]
-    {"features": scenario_features, "train": scenario_train, "fault": scenario_fault,
+    {"features": scenario_features, "train": scenario_train, "fault": scenario_fault, "step_fails": scenario_step_fails,
      "ps": scenario_ps, "resume": scenario_resume, "elastic": scenario_elastic}[name](*args)

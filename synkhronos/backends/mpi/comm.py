@@ -83,9 +83,20 @@ class HierComm:
             self.retire = True                       # until answered: see _host_buffer
             if self.w is not None:                   # the master: its host's MPI process
                 op = Pending(self.coll.comm, self.w.MPI, req, self.mpi_buffers)
-                try:                                 # (watching the other hosts meanwhile)
-                    self.ctl.waiter.wait(op.test, self.ctl.sleep, owed=lambda: [],
+                done = []
+
+                def ready():                         # (watching the other hosts meanwhile)
+                    if op.test():
+                        done.append(True)
+                        return True
+                    # a rank that failed before its host's MPI process joined (e.g. in the
+                    # gradient before a step's all-reduce): the operation can never complete
+                    return self.ctl.aborted()
+                try:
+                    self.ctl.waiter.wait(ready, self.ctl.sleep, owed=lambda: [],
                                          what="a collective between hosts", keep_hot=OP_HOT)
+                    if not done:
+                        raise Aborted("another rank failed during this collective")
                 except BaseException:
                     abandon(op)
                     self.coll.abandoned = True
