@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -293,6 +294,45 @@ def scenario_step_fails(n):
             next_step_right=bool(np.allclose(w2, 2 * w1 - 1.0, rtol=0, atol=1e-12)))
 
 
+def scenario_ctrl_c_slow(n):
+    """Ctrl-C in the master 0.5 s into a training step whose last rank (another group or
+    host) computes for SLEEP_S seconds before the step's all-reduce: how soon the
+    KeyboardInterrupt comes, the parameters after it, and the next step."""
+    import pytensor
+    import pytensor.tensor as T
+    import synkhronos as synk
+    from synkhronos.extensions import train, updates
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _fault_scripts as fs
+    fs.quiet()
+    info = _session(n)
+    n = info.n
+    x = T.matrix("x", dtype="float64")
+    w = pytensor.shared(np.ones(3), name="w")
+    step = train.make_train_function(T.sum(fs.Fault("sleep")(x).dot(w)), [w], [x], update_rule=updates.sgd,
+                                     learning_rate=0.01)
+    synk.distribute()
+    X = np.arange(6.0 * n).reshape(2 * n, 3) / (6.0 * n)
+    slow = X.copy()
+    slow[-1, 0] = fs.TRIGGER                # the last rank's share sleeps
+    step(X)
+    w1 = np.stack(synk.gather(w, nd_up=1))
+    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    t = time.monotonic()
+    interrupted = False
+    try:
+        step(slow)
+    except KeyboardInterrupt:
+        interrupted = True
+    ki_s = time.monotonic() - t
+    after = np.stack(synk.gather(w, nd_up=1))
+    step(X)
+    w2 = np.stack(synk.gather(w, nd_up=1))
+    synk.close()
+    _result(interrupted=interrupted, ki_s=ki_s, sleep_s=fs.SLEEP_S, unchanged=bool(np.array_equal(after, w1)),
+            next_step_right=bool(np.allclose(w2, 2 * w1 - 1.0, rtol=0, atol=1e-12)))
+
+
 def _lose_rank(victim, what, after, call, res):
     """``call()`` while rank ``victim`` is killed (``kill``) or frozen (``stop``) ``after``
     seconds in; what it raised goes into ``res`` (and is returned); a frozen rank is then
@@ -524,4 +564,5 @@ def scenario_elastic(ckpt, steps, pause):
 if __name__ == "__main__":
     name, args = sys.argv[1], sys.argv[2:]
     {"features": scenario_features, "train": scenario_train, "fault": scenario_fault, "step_fails": scenario_step_fails,
+     "ctrl_c_slow": scenario_ctrl_c_slow,
      "ps": scenario_ps, "resume": scenario_resume, "elastic": scenario_elastic}[name](*args)

@@ -75,6 +75,16 @@ def test_local_rank_lost_in_another_group(what, exc):
     assert tu.shm_entries(info["prefix"]) == []
 
 
+def test_local_ctrl_c_while_another_group_computes():
+    """Ctrl-C while the master waits in a step's all-reduce for a slow rank of another
+    group: KeyboardInterrupt at once, not when that rank is done (the wait is not yet a
+    commit), nothing applied, the next step right."""
+    p, info, res = run_local(2, "ctrl_c_slow", "4")
+    assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
+    assert res["interrupted"] and res["ki_s"] < res["sleep_s"] - 0.5, res
+    assert res["unchanged"] and res["next_step_right"], res
+
+
 def test_local_uncaught_exception_ends_the_job():
     t0 = time.monotonic()
     p, info, res = run_local(2, "fault", "4", "raise", timeout=60)

@@ -187,10 +187,12 @@ class HierComm:
             names = tuple(self._attach(key, *k) for k in need)        # (no view yet: see below)
             kinds.append((acc, need, names))
         # every rank of every host is ready once the hosts' shapes are gathered: that exchange
-        # is the commit (no vote after it, one exchange between hosts less); from here on the
-        # collective is finished before an interrupt lands, as after a vote
-        signals.hold()
+        # is the commit (no vote after it, one exchange between hosts less).  The wait for it
+        # stays interruptible (a slow rank elsewhere); from its end on the collective is
+        # finished before an interrupt lands, as after a vote (nothing is written before the
+        # data's exchange, which needs every host: an interrupt before it applies nothing)
         every = self._all_shapes([(k, s) for k, _, s in staged])
+        signals.hold()
         for (key, _, _), shapes in zip(staged, every):
             if len(set(shapes)) > 1:    # (no view of a host buffer in this frame: the traceback
                 of = f" of {self.names[key]}" if key in self.names else ""     # keeps it)
