@@ -254,11 +254,13 @@ def scenario_fault(n, what):
     _result(**res)
 
 
-def scenario_step_fails(n):
-    """A training step whose gradient raises in the last rank (the other host) before the
-    step's all-reduce between hosts: what is raised, how fast, the parameters of every rank
-    before and after, and the next step (the loss is linear in ``w``: every good step takes
-    the same amount off, a failed one nothing)."""
+def _faulty_step(n, action, interrupt=None):
+    """One step of a linear model (``w``) whose last rank's gradient, on a marked row,
+    does ``action`` (``fs.Fault``: "raise" or "sleep") before the step's all-reduce between
+    groups or hosts, after one good step; ``interrupt``: Ctrl-C in the master that many
+    seconds in.  Returns what the marked step raised, how long it took, whether it left the
+    parameters of every rank as they were, and whether the next good step is exact (every
+    good step takes the same amount off, the loss being linear in ``w``)."""
     import pytensor
     import pytensor.tensor as T
     import synkhronos as synk
@@ -266,71 +268,45 @@ def scenario_step_fails(n):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import _fault_scripts as fs
     fs.quiet()
-    info = _session(n)
-    n = info.n
+    n = _session(n).n
     x = T.matrix("x", dtype="float64")
     w = pytensor.shared(np.ones(3), name="w")
-    loss = T.sum(fs.Fault("raise", rank=n - 1)(x).dot(w))
+    loss = T.sum(fs.Fault(action, rank=n - 1)(x).dot(w))
     step = train.make_train_function(loss, [w], [x], update_rule=updates.sgd, learning_rate=0.01)
     synk.distribute()
     X = np.arange(6.0 * n).reshape(2 * n, 3) / (6.0 * n)
-    bad = X.copy()
-    bad[-1, 0] = fs.TRIGGER                 # in the last rank's rows
+    marked = X.copy()
+    marked[-1, 0] = fs.TRIGGER              # in the last rank's rows
     step(X)
     w1 = np.stack(synk.gather(w, nd_up=1))
+    if interrupt is not None:
+        threading.Timer(interrupt, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
     t = time.monotonic()
     raised = message = None
     try:
-        step(bad)
-    except Exception as e:
+        step(marked)
+    except (Exception, KeyboardInterrupt) as e:
         raised, message = type(e).__name__, str(e)[:500]
     seconds = time.monotonic() - t
     after = np.stack(synk.gather(w, nd_up=1))
     step(X)
     w2 = np.stack(synk.gather(w, nd_up=1))
     synk.close()
-    _result(raised=raised, message=message, seconds=seconds, moved=bool(np.any(w1 != 1.0)),
-            unchanged=bool(np.array_equal(after, w1)), ranks_agree=bool(np.all(w1 == w1[0])),
-            next_step_right=bool(np.allclose(w2, 2 * w1 - 1.0, rtol=0, atol=1e-12)))
+    return dict(raised=raised, message=message, seconds=seconds, sleep_s=fs.SLEEP_S,
+                moved=bool(np.any(w1 != 1.0)), unchanged=bool(np.array_equal(after, w1)),
+                ranks_agree=bool(np.all(w1 == w1[0])),
+                next_step_right=bool(np.allclose(w2, 2 * w1 - 1.0, rtol=0, atol=1e-12)))
+
+
+def scenario_step_fails(n):
+    """The gradient raises in the last rank (the other host) before the step's all-reduce."""
+    _result(**_faulty_step(n, "raise"))
 
 
 def scenario_ctrl_c_slow(n):
-    """Ctrl-C in the master 0.5 s into a training step whose last rank (another group or
-    host) computes for SLEEP_S seconds before the step's all-reduce: how soon the
-    KeyboardInterrupt comes, the parameters after it, and the next step."""
-    import pytensor
-    import pytensor.tensor as T
-    import synkhronos as synk
-    from synkhronos.extensions import train, updates
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import _fault_scripts as fs
-    fs.quiet()
-    info = _session(n)
-    n = info.n
-    x = T.matrix("x", dtype="float64")
-    w = pytensor.shared(np.ones(3), name="w")
-    step = train.make_train_function(T.sum(fs.Fault("sleep")(x).dot(w)), [w], [x], update_rule=updates.sgd,
-                                     learning_rate=0.01)
-    synk.distribute()
-    X = np.arange(6.0 * n).reshape(2 * n, 3) / (6.0 * n)
-    slow = X.copy()
-    slow[-1, 0] = fs.TRIGGER                # the last rank's share sleeps
-    step(X)
-    w1 = np.stack(synk.gather(w, nd_up=1))
-    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
-    t = time.monotonic()
-    interrupted = False
-    try:
-        step(slow)
-    except KeyboardInterrupt:
-        interrupted = True
-    ki_s = time.monotonic() - t
-    after = np.stack(synk.gather(w, nd_up=1))
-    step(X)
-    w2 = np.stack(synk.gather(w, nd_up=1))
-    synk.close()
-    _result(interrupted=interrupted, ki_s=ki_s, sleep_s=fs.SLEEP_S, unchanged=bool(np.array_equal(after, w1)),
-            next_step_right=bool(np.allclose(w2, 2 * w1 - 1.0, rtol=0, atol=1e-12)))
+    """Ctrl-C in the master 0.5 s into a step whose last rank (another group or host)
+    computes for SLEEP_S seconds before the step's all-reduce."""
+    _result(**_faulty_step(n, "sleep", interrupt=0.5))
 
 
 def _lose_rank(victim, what, after, call, res):

@@ -81,7 +81,7 @@ def test_local_ctrl_c_while_another_group_computes():
     commit), nothing applied, the next step right."""
     p, info, res = run_local(2, "ctrl_c_slow", "4")
     assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
-    assert res["interrupted"] and res["ki_s"] < res["sleep_s"] - 0.5, res
+    assert res["raised"] == "KeyboardInterrupt" and res["seconds"] < res["sleep_s"] - 0.5, res
     assert res["unchanged"] and res["next_step_right"], res
 
 
