@@ -25,11 +25,10 @@ from .function_args import (as_list, check_collective_rows, check_collectives, p
 from .plans import CallPlan, Rows, arrays_from_wire, arrays_to_wire, call_from_wire, call_needs, call_to_wire
 from .progress import busy
 from .reductions import combine
-from .replica import Replica, follow_up
+from .replica import Replica, follow_up, graph_items, solo_follow_ups
 from .session import get_session
 
-# ------------------------------------------------------------------------------------------
-# Building
+# ---- building ----------------------------------------------------------------------------
 
 
 class Function:
@@ -196,9 +195,10 @@ class Function:
         with session.api(require_distributed=True):
             values, num_slices, wanted, sel, sel_s = self._validate(args, kwargs, output_subset, batch, batch_s,
                                                                      num_slices)
-            rows = self._solo_rows(values) if num_slices == 1 and wanted is sel is sel_s is None and not then else 0
-            if rows:                # one rank, nothing to split: the function itself (one GPU's path)
-                outs = self._replica.solo(session.device, [v.data if isinstance(v, Data) else v for v in values], rows)
+            solo = self._solo(values, then, sel_s, num_slices == 1 and wanted is sel is None)
+            if solo:                # one rank, nothing to split: the function itself (one GPU's path)
+                arrays = [v.data if isinstance(v, Data) else v for v in values]
+                outs = self._replica.solo(session.device, arrays, *solo)
                 return outs if self._return_list else (outs[0] if outs else [])
             datas = [self._stage(i, v) for i, v in enumerate(values)]
             plan, wire, total, idx_local = self._plan(datas, sel, sel_s, num_slices, wanted)
@@ -209,16 +209,26 @@ class Function:
                 session.lengths.clear()
             return outs
 
-    def _solo_rows(self, values):
-        """The rows of a call a one-rank session makes directly (``Replica.solo``), or 0:
-        warm, no selection, sliceable shareds, in-graph collective, command in flight,
-        debug fingerprint or timeline, and equal, non-zero rows."""
+    def _solo(self, values, then, sel_s, whole):
+        """How a one-rank session makes this call itself (``Replica.solo``): its rows, the
+        replicas of its follow-ups ``then`` and the ``batch_s`` index (or None); None when
+        it cannot: cold variant, a selector other than ``batch_s`` (``whole``: none, one
+        slice), in-graph collective, command in flight, debug fingerprint or timeline, an
+        extension's follow-up, sliceable shareds with scattered inputs, no rows."""
         session = self._session
-        if (session.n != 1 or self._sliceable or self._collective or "f" not in self._warm or session.debug
-                or session.inflight is not None or session.timeline_path is not None):
-            return 0
-        lens = {len(v) for v in values[:len(self._inputs)]}
-        return (lens.pop() if len(lens) == 1 else 0) if lens else 1
+        variant = "s" if self._sliceable and sel_s is not None else "f"
+        if (not whole or session.n != 1 or self._collective or variant not in self._warm or session.debug
+                or session.inflight is not None or session.timeline_path is not None
+                or (self._sliceable and self._inputs) or (sel_s is not None and not self._sliceable)):
+            return None
+        follow = solo_follow_ups(session.me, then) if then else ()
+        if self._sliceable:
+            rows = shards.check_sliceable(self._sliceable_lengths(), sel_s, None)[0]
+            idx = None if sel_s is None else self._replica.selection(sel_s[0], 0, session.device)
+        else:
+            lens = {len(v) for v in values[:len(self._inputs)]}
+            rows, idx = (lens.pop() if len(lens) == 1 else 0) if lens else 1, None
+        return (rows, follow, idx) if rows and follow is not None else None
 
     def _validate(self, args, kwargs, output_subset, batch, batch_s, num_slices):
         values = []
@@ -494,23 +504,6 @@ def call_then(f, data, kwargs, output_subset, batch, batch_s, num_slices, then):
     return f._invoke(data, kwargs, output_subset, batch, batch_s, num_slices, then)
 
 
-def _graph_items(replicas):
-    """Every variable and node of the compiled graphs in topological order.  Pickled ahead of
-    the functions, so that each node finds its inputs already pickled: the pickler's
-    recursion stays shallow however deep the graph (ResNet-50), instead of following one
-    owner -> inputs -> owner chain to the bottom."""
-    items = []
-    for c in replicas:
-        for fn in (c.f, c.f_s):
-            if fn is not None:
-                fg = fn.maker.fgraph
-                items.extend(fg.inputs)
-                for node in fg.toposort():
-                    items.append(node)
-                    items.extend(node.outputs)
-    return items
-
-
 def distribute(random_streams="per_rank"):
     """Replicate every function and its shared variables in all workers (once).
     Random generators (``RandomType`` shared variables): with ``random_streams="per_rank"``
@@ -529,7 +522,7 @@ def distribute(random_streams="per_rank"):
         old = sys.getrecursionlimit()
         sys.setrecursionlimit(max(old, 50000))
         try:
-            payload = pickle.dumps((_graph_items(replicas), replicas, shareds), protocol=pickle.HIGHEST_PROTOCOL)
+            payload = pickle.dumps((graph_items(replicas), replicas, shareds), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:
             raise TypeError(f"synk.distribute() could not pickle the functions for the workers: {e!r}. "
                             "Every op and shared value must be picklable (ops defined in __main__ "
@@ -565,8 +558,7 @@ def _keys(shareds):
     return len(shareds) + RESERVED_KEYS, {i: str(v) for i, v in enumerate(shareds)} | reserved_names(len(shareds))
 
 
-# ------------------------------------------------------------------------------------------
-# Every worker
+# ---- every worker ------------------------------------------------------------------------
 
 
 @worker_command("distribute")

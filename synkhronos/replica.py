@@ -52,7 +52,7 @@ class Replica:
         sel = None if plan.sel_s is None else plan.sel_s[rank]
         num_slices = plan.num_slices
         if self.f_s is not None and (sel is not None or num_slices > 1):
-            sel_idx = self._selection(sel, rank, device)
+            sel_idx = self.selection(sel, rank, device)
             if rows is not None and rows != len(sel_idx):
                 raise ValueError(f"rank {rank}: scattered inputs give {rows} rows but batch_s selects "
                                  f"{len(sel_idx)} rows of the sliceable shareds; they must agree")
@@ -79,18 +79,48 @@ class Replica:
             res = [o if plan.send[i] else None for i, o in enumerate(res)]
         return res, (1 if rows is None else rows)
 
-    def solo(self, device, arrays, rows):
+    def solo(self, device, arrays, rows, then=(), sel_idx=None):
         """The whole call of a one-rank session, on ``arrays`` (its inputs as they are, no
         staging, no command): the compiled function, the outputs combined as for a rank's
         share of ``rows`` rows, then, once every output is in hand, the updates (at once:
-        a Ctrl-C lands before or after them).  The fast path of one GPU."""
-        outs = self._computed(lambda: self._call(device.call_inputs(arrays), (), None), device, 0, arrays)
+        a Ctrl-C lands before or after them).  ``then``: replicas of functions without
+        inputs run after it on its new values (a training step's update rule: the
+        all-reduce between them is the value itself on one rank); all or nothing.  The
+        fast path of one GPU: it waits for the outputs only, as a plain call reads them
+        (an update computes in the same program; a follow-up's failure surfaces where its
+        values are next used).  ``sel_idx``: the rows of the sliceable shareds (``batch_s``)."""
         n_out = self.n_out
+        if sel_idx is None:
+            run = lambda: self._call(device.call_inputs(arrays), (), None)     # noqa: E731
+        else:
+            run = lambda: self._call(*_split(device.call_inputs(list(arrays) + [sel_idx])))     # noqa: E731
+        outs = self._computed(run, device, 0, arrays, n_wait=n_out)
         res = [combine(m, [device.to_host(o)], [rows]) for m, o in zip(self.modes, outs[:n_out])]
+        news = list(zip(self.update_vars, outs[n_out:]))
+        if then:
+            news = self._followed(device, news, then)
         with deferred():
-            for var, value in zip(self.update_vars, outs[n_out:]):
+            for var, value in news:
                 device.set(var, value)
         return res
+
+    def _followed(self, device, news, then):
+        """``news`` set, then each replica of ``then`` run on them; the updates of all of them
+        in order, or, when one fails, the values before them back and its error."""
+        olds = [(var, device.get(var)) for var, _ in news]
+        try:
+            with deferred():
+                for var, value in news:
+                    device.set(var, value)
+            for rep in then:
+                outs = rep._computed(lambda: rep._call(device.call_inputs([]), (), None), device, 0, [], n_wait=0)
+                news = news + list(zip(rep.update_vars, outs[rep.n_out:]))
+        except BaseException:
+            with deferred():
+                for var, value in olds:
+                    device.set(var, value)
+            raise
+        return news
 
     def run_empty(self, scat, bcast, variant):
         """Every shard is empty: compute once on the empty input, as serial PyTensor would
@@ -99,7 +129,9 @@ class Replica:
         sel = np.zeros(0, np.int64) if variant == "s" else None
         return self._call(scat, bcast, sel)[:self.n_out], 0
 
-    def _selection(self, sel, rank, device):
+    def selection(self, sel, rank, device):
+        """The index vector of ``batch_s`` selector ``sel`` (None: every row) into this
+        rank's sliceable shareds."""
         local_len = self.sliceable_length(device)
         if sel is None:
             return np.arange(local_len, dtype=np.int64)
@@ -114,12 +146,13 @@ class Replica:
                              f"sliceable shareds of length {local_len}")
         return idx
 
-    def _computed(self, compute, device, rank, inputs):
-        """``compute()``'s values, ready on the device; its failure as the device explains it
-        (e.g. out of device memory, naming the rank and the inputs' sizes)."""
+    def _computed(self, compute, device, rank, inputs, n_wait=None):
+        """``compute()``'s values, ready on the device (the first ``n_wait`` of them, when
+        given); its failure as the device explains it (e.g. out of device memory, naming
+        the rank and the inputs' sizes)."""
         try:
             outs = compute()
-            device.wait(outs)
+            device.wait(outs if n_wait is None else outs[:n_wait])
             return outs
         except Exception as e:
             better = device.explain(e, rank, f"function {self.fid}", inputs)
@@ -158,6 +191,24 @@ def _no_input_plan(n):
     return CallPlan(-1, (), Rows("range", (0,) * (n + 1)), None, 1, None)
 
 
+def _split(moved):
+    """A solo call's moved inputs and index as ``_call``'s arguments."""
+    return moved[:-1], (), moved[-1]
+
+
+def solo_follow_ups(me, steps):
+    """The replicas a one-rank call runs after its function for follow-up ``steps``
+    (``follow_up``; ``Replica.solo``): an all-reduce of one rank is the value itself;
+    None when a step needs the command path (an extension's step)."""
+    reps = []
+    for step in steps:
+        if step[0] == "run":
+            reps.append(me.replicas[step[1]])
+        elif step[0] != "all_reduce":
+            return None
+    return reps
+
+
 def follow_up(me, steps):
     """What a call chains in the same command on every rank, after the function's share:
     ``("all_reduce", var index, op)`` of a variable's new value (its pending update), then
@@ -186,3 +237,20 @@ def follow_up(me, steps):
             handler(step[1])(me, *step[2:])
         else:
             raise ValueError(f"unknown follow-up step {step!r}")
+
+
+def graph_items(replicas):
+    """Every variable and node of the compiled graphs in topological order.  Pickled ahead of
+    the functions, so that each node finds its inputs already pickled: the pickler's
+    recursion stays shallow however deep the graph (ResNet-50), instead of following one
+    owner -> inputs -> owner chain to the bottom."""
+    items = []
+    for c in replicas:
+        for fn in (c.f, c.f_s):
+            if fn is not None:
+                fg = fn.maker.fgraph
+                items.extend(fg.inputs)
+                for node in fg.toposort():
+                    items.append(node)
+                    items.extend(node.outputs)
+    return items

@@ -37,3 +37,82 @@ def test_one_rank_calls_run_the_function_itself():
         assert f(X, Y)[2] == 6.0
     finally:
         synk.close()
+
+
+def test_one_rank_training_step_runs_both_functions_itself():
+    """A warm training step of one rank runs its gradient and update functions itself (no
+    command): the serial step's values, step after step; on CPU ranks an update rule that
+    fails leaves the parameters and the gradient as they were (all or nothing)."""
+    from pytensor.raise_op import Assert
+    from synkhronos.extensions import train, updates
+    tu.fork(1)
+    try:
+        x, y = T.matrix("x"), T.vector("y")
+        w = theano.shared(np.zeros(3), name="w")
+        ok = theano.shared(np.array(1.0), name="ok")
+        loss = T.mean((x.dot(w) - y) ** 2)
+
+        def rule(loss_, params, **kw):
+            g_upd, p_upd, g_shared = updates.sgd(loss_, params, **kw)
+            if tu.jax_backend():                               # (PyTensor's JAX backend drops Assert)
+                return g_upd, p_upd, g_shared
+            return g_upd, [(p, Assert("update refused")(v, ok > 0.5)) for p, v in p_upd], g_shared
+        step = train.make_train_function(loss, [w], [x, y], rule, learning_rate=0.1)
+        synk.distribute()
+        rng = np.random.default_rng(3)
+        X, Y = rng.standard_normal((8, 3)), rng.standard_normal(8)
+        W = np.zeros(3)
+        for i in range(4):
+            sent = tu.commands_sent("call")
+            got = step(X, Y)
+            if i:                                              # warm: nothing sent
+                assert tu.commands_sent("call") == sent
+            want = np.mean((X @ W - Y) ** 2)
+            W = W - 0.1 * (2 / len(X)) * X.T @ (X @ W - Y)
+            np.testing.assert_allclose(got, want, rtol=1e-12)
+            np.testing.assert_allclose(synk.get_value(0, w), W, rtol=1e-12)
+        if not tu.jax_backend():
+            grad = np.array(synk.get_value(0, step.grad_shared), copy=True)
+            before = np.array(synk.get_value(0, w), copy=True)
+            synk.set_value(0, ok, np.array(0.0))
+            with pytest.raises(Exception, match="update refused"):
+                step(X, Y)
+            np.testing.assert_array_equal(synk.get_value(0, w), before)
+            np.testing.assert_array_equal(synk.get_value(0, step.grad_shared), grad)
+            synk.set_value(0, ok, np.array(1.0))
+            np.testing.assert_allclose(step(X, Y), np.mean((X @ W - Y) ** 2), rtol=1e-12)
+    finally:
+        synk.close()
+
+
+def test_one_rank_batch_s_calls_run_the_function_itself():
+    """A warm ``batch_s`` call of one rank over sliceable shareds (the data set kept on the
+    device) runs the function itself: the rows selected by an index list or a slice, the
+    values of plain PyTensor indexing the same variables; a selection out of range is
+    refused before anything runs."""
+    tu.fork(1)
+    try:
+        X = np.arange(20.0).reshape(10, 2)
+        xs = theano.shared(X, name="xs")
+        w = theano.shared(np.ones(2), name="w")
+        x = T.matrix("x")
+        f = synk.function([], [(x.dot(w).sum(), "sum"), (x, "gather")], givens=[(x, xs)],
+                          sliceable_shareds=[xs], updates=[(w, w + x.mean(axis=0))])
+        synk.distribute()
+        f(batch_s=[0, 1])                              # compiles: the general path
+        W = np.ones(2) + X[[0, 1]].mean(axis=0)
+        for sel, rows in (([3, 1, 7], [3, 1, 7]), (slice(2, 6), list(range(2, 6))), (np.array([9]), [9])):
+            sent = tu.commands_sent("call")
+            s, g = f(batch_s=sel)
+            assert tu.commands_sent("call") == sent  # nothing sent: the function itself
+            np.testing.assert_allclose(s, X[rows].dot(W).sum())
+            np.testing.assert_array_equal(g, X[rows])
+            W = W + X[rows].mean(axis=0)
+            np.testing.assert_allclose(synk.get_value(0, w), W)
+        with pytest.raises(synk.OutOfRange, match="batch_s"):
+            f(batch_s=[10])
+        np.testing.assert_allclose(synk.get_value(0, w), W)
+        s, g = f()                                    # every row: the plain variant
+        np.testing.assert_array_equal(g, X)
+    finally:
+        synk.close()

@@ -337,6 +337,8 @@ class JaxDevice:
     def wait(self, arrays):
         import jax
         inflight, self._inflight = self._inflight, []
+        if not arrays and not inflight:
+            return
         jax.block_until_ready(list(arrays) + inflight)   # an XLA error surfaces here (reading a failed
         #                                                   buffer aborts)
 

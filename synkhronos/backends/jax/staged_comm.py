@@ -5,7 +5,8 @@ the host (a view where the device is the CPU), runs the host collective, and mov
 results back (copies: a device array never aliases the shared slots, which the next
 collective reuses).  The host collective is always fenced, since the results are read at
 once.  It serves whatever the device's own path (XLA's collectives: NCCL on GPUs) does not,
-and everything when that path is not available; on a GPU it says so, once per reason."""
+and everything when that path is not available; on a GPU it says so, once per reason (rank 0
+only)."""
 import sys
 
 
@@ -28,8 +29,8 @@ class StagedComm:
     def accepts(self, verb, dtype, op=None, placement="host"):
         if placement != "device" or not self.host.accepts(verb, dtype, op, "host"):
             return False
-        if self.gpu and verb not in ("shapes", "barrier"):
-            self._warn(verb, dtype, op)
+        if self.gpu and verb not in ("shapes", "barrier") and getattr(self.host, "rank", 0) == 0:
+            self._warn(verb, dtype, op)       # (one rank says it: once a session, not once a rank)
         return True
 
     def _warn(self, verb, dtype, op):

@@ -133,13 +133,78 @@ def to_device(arr, wait=True):
 
 
 def to_host(arr):
-    """A numpy array of ``arr``: on the CPU a read-only view of the device buffer (no copy)."""
+    """A numpy array of ``arr`` (read-only): on the CPU a view of the device buffer (no
+    copy); from a GPU, small arrays by JAX's own read, large ones (``_PINNED_MIN`` bytes and
+    up) through page-locked host memory (``_pinned_read``)."""
     import jax
     if isinstance(arr, jax.Array):
-        if not local.gpu:
-            return np.asarray(arr)
-        return jax.device_get(arr)
+        if local.gpu and arr.nbytes >= _PINNED_MIN:
+            out = _pinned_read(arr)
+            if out is not None:
+                return out
+        if local.gpu:
+            return _explicit_read(arr)
+        return np.asarray(arr)
     return np.asarray(arr)
+
+
+_get_scope = []              # [JAX's explicit device-get scope, or None]
+
+
+def _explicit_read(arr):
+    """JAX's own read of a device array, as the explicit transfer ``jax.device_get`` makes
+    (a ``transfer_guard`` allows it) without its pytree handling (~100 us a call on a GPU)."""
+    if not _get_scope:
+        try:
+            from jax._src import config as jcfg
+            _get_scope.append(jcfg.explicit_device_get_scope)
+        except Exception:
+            _get_scope.append(None)
+    scope = _get_scope[0]
+    if scope is None:
+        import jax
+        return jax.device_get(arr)
+    with scope():
+        return np.asarray(arr)
+
+
+_PINNED_MIN = 1 << 20
+_pinned = []                 # [the pinned-host sharding of this process's device, or None]
+
+
+def _pinned_read(arr):
+    """``arr`` (on this process's GPU) copied to page-locked host memory by the GPU's copy
+    engine and viewed by numpy through DLPack, no further copy: 44 GB/s from an H100,
+    against 1.5 GB/s for JAX's read into pageable memory at 64 MB (bench_transfers.py).
+    None where this JAX cannot (no ``pinned_host`` memory, no DLPack view of it)."""
+    if not _pinned:
+        _pinned.append(_pinned_sharding())
+    sharding = _pinned[0]
+    if sharding is None:
+        return None
+    import jax
+    p = jax.device_put(arr, sharding)
+    p.block_until_ready()
+    return np.from_dlpack(p)         # (the view keeps the pinned buffer alive)
+
+
+def _pinned_sharding():
+    """The ``pinned_host`` sharding of this process's GPU, checked once on a small array
+    (values and a zero-copy view), or None."""
+    try:
+        import jax
+        from jax.sharding import SingleDeviceSharding
+        dev = ensure()
+        sharding = SingleDeviceSharding(dev, memory_kind="pinned_host")
+        probe = np.arange(1024, dtype=np.float32)
+        p = jax.device_put(jax.device_put(probe, dev), sharding)
+        p.block_until_ready()
+        view = np.from_dlpack(p)
+        if view.ctypes.data != p.unsafe_buffer_pointer() or not np.array_equal(view, probe):
+            return None
+        return sharding
+    except Exception:
+        return None
 
 
 def wait_ready(arrays, waiter_wait, aborted=None):
