@@ -154,9 +154,11 @@ def c_overhead(a):
             "synk_resident": lambda: float(step_s(batch_s=sel)),
         }, max(5, reps // 20), rounds)
     device = str(jax.devices()[0])
+    from synkhronos.backends.jax import pinning
+    pinned = pinning.status()
     synk.close()
     return {"device": device, "ranks": [r.rank for r in dev.ranks], "tiny": tiny, "mlp": mlp,
-            "mlp_shape": [a["n_in"], a["hidden"], a["hidden"], 10]}
+            "mlp_shape": [a["n_in"], a["hidden"], a["hidden"], 10], "pinning": pinned}
 
 
 def c_allreduce(a):
@@ -270,7 +272,7 @@ def run_overhead(plat, quick):
         print("  FAILED:", r["error"])
         return r
     t = r["tiny"]
-    print(f"  device {r['device']}")
+    print(f"  device {r['device']}; shared memory page-locked for the GPU: {r.get('pinning')}")
     print(f"  tiny function  plain (numpy in) {fmt_t(t['plain_numpy'])}   plain (device in) {fmt_t(t['plain_device'])}")
     print(f"                 synk (Data)      {fmt_t(t['synk_data'])}   synk (numpy)      {fmt_t(t['synk_numpy'])}")
     print(f"                 added per call: {1e6 * (t['synk_data'] - t['plain_numpy']):.1f} us (Data), "

@@ -86,15 +86,16 @@ class Replica:
         a Ctrl-C lands before or after them).  ``then``: replicas of functions without
         inputs run after it on its new values (a training step's update rule: the
         all-reduce between them is the value itself on one rank); all or nothing.  The
-        fast path of one GPU: it waits for the outputs only, as a plain call reads them
-        (an update computes in the same program; a follow-up's failure surfaces where its
-        values are next used).  ``sel_idx``: the rows of the sliceable shareds (``batch_s``)."""
+        fast path of one GPU: with outputs it waits for them only, as a plain call reads
+        them (the updates come from the same program, done with them); a follow-up is
+        waited for whole, so that its failure restores the values before the call.
+        ``sel_idx``: the rows of the sliceable shareds (``batch_s``)."""
         n_out = self.n_out
         if sel_idx is None:
             run = lambda: self._call(device.call_inputs(arrays), (), None)     # noqa: E731
         else:
             run = lambda: self._call(*_split(device.call_inputs(list(arrays) + [sel_idx])))     # noqa: E731
-        outs = self._computed(run, device, 0, arrays, n_wait=n_out)
+        outs = self._computed(run, device, 0, arrays, n_wait=n_out or None)
         res = [combine(m, [device.to_host(o)], [rows]) for m, o in zip(self.modes, outs[:n_out])]
         news = list(zip(self.update_vars, outs[n_out:]))
         if then:
@@ -113,7 +114,7 @@ class Replica:
                 for var, value in news:
                     device.set(var, value)
             for rep in then:
-                outs = rep._computed(lambda: rep._call(device.call_inputs([]), (), None), device, 0, [], n_wait=0)
+                outs = rep._computed(lambda: rep._call(device.call_inputs([]), (), None), device, 0, [])
                 news = news + list(zip(rep.update_vars, outs[rep.n_out:]))
         except BaseException:
             with deferred():

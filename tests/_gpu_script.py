@@ -45,6 +45,8 @@ def one_rank():
     synk.fork(1, **FORK)
     try:
         f, w = graph()
+        x = T.matrix("x", dtype="float32")
+        g = synk.function([x], [(x.sum(axis=0), "sum"), (x * 2, "gather")])
         synk.distribute()
         xd = synk.data(np.ones((4, 3), "float32"))
         f(xd)
@@ -53,7 +55,20 @@ def one_rank():
             synk.all_reduce(w, "sum")
         assert out[0].dtype == np.float32
         np.testing.assert_allclose(synk.get_value(0, w), 3.0)
-        result(platform=platform(w))
+        # large inputs (page-locked shared memory on a GPU), rewritten between calls: each
+        # call reads what the Data held when it was made, nothing later
+        big = synk.data(np.zeros((1 << 16, 16), "float32"))                 # 4 MB
+        for k in range(1, 6):
+            big[:] = np.float32(k)
+            sums, twice = g(big)
+            big[:] = np.float32(-1)                                          # after the call
+            np.testing.assert_array_equal(sums, np.full(16, k * (1 << 16), "float32"))
+            assert twice.shape == (1 << 16, 16) and np.all(twice == 2 * k)
+        from synkhronos.backends.jax import pinning
+        status = pinning.status()
+        if GPU:
+            assert status.startswith("on") and "0 refused" in status, status
+        result(platform=platform(w), pinning=status)
     finally:
         synk.close()
 
@@ -65,12 +80,21 @@ def two_on_one():
     synk.fork(2, **FORK)
     try:
         f, w = graph()
+        v = pytensor.shared(np.zeros(1, "float32"), name="v")
+        synk.function([], v.sum())                      # (v: a variable of the session)
         synk.distribute()
         for r in range(2):
             synk.set_value(r, w, np.full(3, r + 1, "float32"))
         synk.all_reduce(w, "sum")
         synk.all_reduce(w, "avg")
         np.testing.assert_allclose(synk.gather(w), 3.0)
+        count = 1 << 21                                 # 8 MB a rank: page-locked staging
+        parts = np.arange(2 * count, dtype=np.float32).reshape(2, count) % 1000
+        for op, want in (("sum", parts.sum(0)), ("max", parts.max(0)), ("avg", parts.mean(0))):
+            synk.scatter(v, parts.reshape(-1))
+            synk.all_reduce(v, op)
+            got = synk.gather(v, nd_up=1)
+            np.testing.assert_array_equal(got, np.stack([want, want]))
         result(platform=platform(w))
     finally:
         synk.close()

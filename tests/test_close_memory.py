@@ -53,3 +53,43 @@ def test_memory_goes_back_while_a_traceback_holds_the_session():
     for r, c in zip(results, copies):       # what came back is the user's, unchanged
         np.testing.assert_array_equal(np.asarray(r), c)
     np.testing.assert_array_equal(np.asarray(d[:5]), np.arange(5, dtype=np.float32))
+
+
+
+class _Seen:
+    """A segment observer (what a GPU rank page-locks shared memory through): the segments
+    it was told of, mapped (name -> size) and released (in order)."""
+
+    def __init__(self):
+        self.maps, self.releases = {}, []
+
+    def mapped(self, seg):
+        self.maps[seg.name] = seg.size
+
+    def released(self, seg):
+        assert seg.name in self.maps, seg.name          # told of it when it was mapped
+        self.releases.append(seg.name)
+
+
+def test_segment_observers_see_every_mapping_and_release():
+    """The master's segment observers are told of every segment it maps, with its size, and
+    of those whose memory the close gives back, before it is (a GPU rank unlocks there the
+    pages it locked; a segment that goes earlier is unlocked by the observer's own
+    finalizer); an observer added later is told of those mapped already."""
+    from synkhronos.backends.shm import segments
+    early, late = _Seen(), _Seen()
+    segments.observe(early)
+    try:
+        d, results, copies, err = _session_with_results()
+        prefix = tu.prefix().lstrip("/")
+        ours = {k: v for k, v in early.maps.items() if k.lstrip("/").startswith(prefix)}
+        assert sum(size >= 8 * MB for size in ours.values()) >= 2, ours      # the Data, the slots
+        segments.observe(late)                           # told at once of those mapped now
+        assert sum(size >= 8 * MB for k, size in late.maps.items() if k in ours) >= 2, late.maps
+        synk.close()
+        released = {k for k in early.releases if k.lstrip("/").startswith(prefix)}
+        big = {k for k in set(late.maps) & set(ours) if late.maps[k] >= 8 * MB}     # slots, staging, Data
+        assert len(big & released) >= 2, (sorted(big), sorted(released))
+    finally:
+        segments.unobserve(early)
+        segments.unobserve(late)

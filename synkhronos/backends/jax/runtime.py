@@ -102,6 +102,9 @@ def ensure():
         local.sharding = SingleDeviceSharding(dev)
         local.gpu = dev.platform != "cpu"
         local.dev = dev
+        if local.gpu:                   # shared memory page-locked for this GPU's copies
+            from . import pinning
+            pinning.install(getattr(dev, "local_hardware_id", 0) or 0)
     return local.dev
 
 

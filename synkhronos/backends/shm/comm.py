@@ -23,6 +23,7 @@ every rank's values as they were."""
 import numpy as np
 
 from .chunks import chunk_bounds, row_blocks, reduce_chunk, small_reduce
+from .parallel import split_run, threads_for
 from .slots import RESULT, SHAPE, SLOT, Eager, Slots
 from ...errors import Aborted
 
@@ -42,6 +43,7 @@ class ShmComm:
         self.sync, self.create = sync, create
         self.slots = self.eager = None
         self.names = {}
+        self.threads = threads_for(n)        # for this rank's share of a large collective
 
     def accepts(self, verb, dtype, op=None, placement="host"):
         return placement == "host"
@@ -77,10 +79,11 @@ class ShmComm:
             bounds = chunk_bounds(flat.size, self.n, arr.dtype.itemsize)
             own = bounds[self.rank], bounds[self.rank + 1]
         a, b = own
+        copy = lambda lo, hi: np.copyto(view[lo:hi], flat[lo:hi])     # noqa: E731
         if a > 0:
-            np.copyto(view[:a], flat[:a])
+            split_run(copy, 0, a, flat.itemsize, self.threads)
         if b < flat.size:
-            np.copyto(view[b:], flat[b:])
+            split_run(copy, b, flat.size, flat.itemsize, self.threads)
         return flat, arr.shape
 
     def _equal_shapes(self, keys, what):
@@ -104,6 +107,12 @@ class ShmComm:
         views = [self._all_slots(key, np.asarray(arr).dtype) for key, arr in items]
         return staged, views
 
+    def _reduce(self, op, srcs, dsts, flat):
+        """This rank's chunk of the reduction of ``srcs`` into ``dsts`` (its threads)."""
+        bounds = chunk_bounds(flat.size, self.n, flat.dtype.itemsize)
+        split_run(lambda lo, hi: reduce_chunk(op, srcs, dsts, lo, hi, flat.dtype), bounds[self.rank],
+                  bounds[self.rank + 1], flat.dtype.itemsize, self.threads)
+
     def _sources(self, views, flat):
         srcs = list(views)
         srcs[self.rank] = flat                 # own chunk from the live array (maybe the slot)
@@ -125,9 +134,7 @@ class ShmComm:
 
         def write():
             for (key, _), (flat, _), vs in zip(items, staged, views):
-                bounds = chunk_bounds(flat.size, self.n, flat.dtype.itemsize)
-                reduce_chunk(op, self._sources(vs, flat), vs, bounds[self.rank], bounds[self.rank + 1],
-                              flat.dtype)
+                self._reduce(op, self._sources(vs, flat), vs, flat)
                 self.slots.lend(key)
         if scratch:
             write()
@@ -194,9 +201,7 @@ class ShmComm:
 
         def write():
             for (key, _), (flat, _), vs, dest in zip(items, staged, views, dests):
-                bounds = chunk_bounds(flat.size, self.n, flat.dtype.itemsize)
-                reduce_chunk(op, self._sources(vs, flat), [dest], bounds[self.rank], bounds[self.rank + 1],
-                              flat.dtype)
+                self._reduce(op, self._sources(vs, flat), [dest], flat)
                 if in_place and self.rank == root:
                     self.slots.lend(key)
         self._commit(write)

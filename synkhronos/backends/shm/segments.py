@@ -34,6 +34,23 @@ def new_prefix():
 
 
 _mapped = weakref.WeakSet()     # every Segment of this process (remove_all gives their memory back)
+_observers = []                 # see observe
+
+
+def observe(observer):
+    """From now on tell ``observer`` of every segment this process maps
+    (``observer.mapped(segment)``; those mapped already at once) and of each whose memory
+    is given back (``observer.released(segment)``), e.g. to page-lock them for a GPU's
+    copies.  The observer keeps its own errors."""
+    _observers.append(observer)
+    for seg in list(_mapped):
+        observer.mapped(seg)
+
+
+def unobserve(observer):
+    """Stop telling ``observer`` (see ``observe``)."""
+    if observer in _observers:
+        _observers.remove(observer)
 
 
 class Segment:
@@ -58,6 +75,8 @@ class Segment:
             shm.close_fd()
         self.name, self.size, self.owner, self.kept = name, size, create, False
         _mapped.add(self)
+        for observer in _observers:
+            observer.mapped(self)
 
     def array(self, dtype, shape, offset=0):
         """A numpy view of the segment (no copy)."""
@@ -77,6 +96,8 @@ class Segment:
         """Give the segment's memory back now, keeping the mapping valid (pages written
         later come back as new zero pages): for a buffer that an operation given up on may
         still write to, so that nothing else can use it and its memory is not held."""
+        for observer in _observers:
+            observer.released(self)
         try:
             self.mm.madvise(mmap.MADV_REMOVE)
         except (OSError, ValueError, AttributeError):
