@@ -99,29 +99,31 @@ class Replica:
         res = [combine(m, [device.to_host(o)], [rows]) for m, o in zip(self.modes, outs[:n_out])]
         news = list(zip(self.update_vars, outs[n_out:]))
         if then:
-            news = self._followed(device, news, then)
+            news = self._followed(device, news, then)      # (its own are set already)
         with deferred():
             for var, value in news:
                 device.set(var, value)
         return res
 
     def _followed(self, device, news, then):
-        """``news`` set, then each replica of ``then`` run on them; the updates of all of them
-        in order, or, when one fails, the values before them back and its error."""
+        """``news`` set, then each replica of ``then`` run on them; returns the follow-ups'
+        updates in order, or, when one fails, sets the values before ``news`` back and
+        raises its error."""
         olds = [(var, device.get(var)) for var, _ in news]
+        later = []
         try:
             with deferred():
                 for var, value in news:
                     device.set(var, value)
             for rep in then:
                 outs = rep._computed(lambda: rep._call(device.call_inputs([]), (), None), device, 0, [])
-                news = news + list(zip(rep.update_vars, outs[rep.n_out:]))
+                later += list(zip(rep.update_vars, outs[rep.n_out:]))
         except BaseException:
             with deferred():
                 for var, value in olds:
                     device.set(var, value)
             raise
-        return news
+        return later
 
     def run_empty(self, scat, bcast, variant):
         """Every shard is empty: compute once on the empty input, as serial PyTensor would
