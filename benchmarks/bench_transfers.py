@@ -22,19 +22,14 @@ import time
 
 import numpy as np
 
-from common import write_results
+from common import call_times, write_results
 
 MB = 1 << 20
 
 
 def best(fn, reps=5):
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return min(ts)
+    fn()                             # (warm)
+    return min(call_times(fn, reps))
 
 
 def try_(rows, name, nbytes, fn, check=None):
