@@ -17,10 +17,9 @@ import threading
 import time
 import traceback
 
-from . import signals
 import numpy as np
 
-from . import backends, flight, timeline
+from . import backends, flight, signals, timeline
 from .debug import DebugMismatch, compare, fingerprint
 from .debug import enabled as debug_enabled
 from .errors import (Aborted, ForeignSession, StallTimeout, SynkError, WorkerDied,
@@ -203,26 +202,29 @@ class Session:
                 last_words = [getattr(r, "value", None) for r in replies.values()]
             except BaseException:
                 pass
-        if self.launcher is not None:
-            self.launcher.stop(graceful)
-        self.device.release_master()
-        signals.unwrap()
-        for sig, (previous, ours) in self.saved_signals.items():
-            try:
-                if signal.getsignal(sig) is ours:
-                    signal.signal(sig, previous)
-            except ValueError:
-                pass
-        if me is not None:
-            me.comm.close()
-            me.control.close()
-        if self.planes is not None:
-            backends.remove(self.planes, self.closed_cleanly)
-        if self.timeline_path is not None:
-            self._write_timeline(last_words)
-        global _session
-        if _session is self:
-            _session = None
+        try:
+            with signals.deferred():    # all of it: a Ctrl-C half way left it for good (closed)
+                if self.launcher is not None:
+                    self.launcher.stop(graceful)
+                self.device.release_master()
+                if me is not None:
+                    me.comm.close()
+                    me.control.close()
+                if self.planes is not None:
+                    backends.remove(self.planes, self.closed_cleanly)
+        finally:
+            signals.unwrap()
+            for sig, (previous, ours) in self.saved_signals.items():
+                try:
+                    if signal.getsignal(sig) is ours:
+                        signal.signal(sig, previous)
+                except ValueError:
+                    pass
+            if self.timeline_path is not None:
+                self._write_timeline(last_words)
+            global _session
+            if _session is self:
+                _session = None
 
     # ---- entering the API ------------------------------------------------------------------
     def api(self, require_distributed=False):

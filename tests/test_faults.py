@@ -942,6 +942,15 @@ def test_sigint_storm(mode, n, target):
                   "KeyboardInterrupt / correct", "-", None))
 
 
+def test_close_under_a_sigint_storm_leaves_nothing():
+    """Ctrl-C at random instants of ``synk.close()`` (called again after each interrupt),
+    12 sessions: every one ends with its workers gone and nothing of it in /dev/shm."""
+    info, res, out, rc, _ = run_script("close_storm", "12", timeout=240)
+    assert rc == 0 and res is not None, out[-3000:]
+    assert res["closed"] == 12 and res["interrupts"] > 0, res
+    assert res["left"] == {} and res["alive"] == {}, res
+
+
 def test_sigterm_closes_quietly():
     """SIGTERM to a master waiting for a worker: exit status 128 + 15, no traceback, the
     session closed (workers gone, shared memory removed)."""

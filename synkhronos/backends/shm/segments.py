@@ -14,6 +14,8 @@ import weakref
 import numpy as np
 import posix_ipc
 
+from ...signals import deferred
+
 SHM_DIR = "/dev/shm"
 PAGE = mmap.PAGESIZE
 SESSION_NAME = re.compile(r"synk_[0-9a-f]{16}")
@@ -145,30 +147,34 @@ def remove_all(prefix):
     The session is over, yet objects that outlive it can still hold its mappings: an
     exception's traceback holds the frames that held views, until the garbage collector
     finds the cycle.  Their memory would stay in use (on a host whose /dev/shm is small,
-    enough to refuse the next session's buffers).  Returns the number removed.  Safe to call
-    from any rank, any number of times."""
+    enough to refuse the next session's buffers).  The names go first, all in one signal
+    window: a Ctrl-C during a close (a signal storm found it) left segments whose memory
+    was given back, the control block's master pid with it, which no later session could
+    then reap.  Returns the number removed.  Safe to call from any rank, any number of
+    times."""
     base = prefix.lstrip("/") + "_"      # this session's names only, never a longer prefix
-    mine = [seg for seg in list(_mapped) if seg.name.lstrip("/").startswith(base)]
-    kept = {seg.name for seg in mine if seg.kept}       # (a file's memory is the file's: any
-    for seg in mine:                                    # mapping of a kept one keeps it)
-        if seg.name not in kept:
-            seg.release()
     removed = 0
-    try:
-        entries = os.listdir(SHM_DIR)
-    except OSError:
-        return 0
-    for entry in entries:
+    with deferred():
         try:
-            if entry.startswith(base):
-                posix_ipc.unlink_shared_memory("/" + entry)
-            elif entry.startswith("sem." + base):
-                posix_ipc.unlink_semaphore("/" + entry[4:])
-            else:
-                continue
-            removed += 1
-        except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
-            pass
+            entries = os.listdir(SHM_DIR)
+        except OSError:
+            entries = []
+        for entry in entries:
+            try:
+                if entry.startswith(base):
+                    posix_ipc.unlink_shared_memory("/" + entry)
+                elif entry.startswith("sem." + base):
+                    posix_ipc.unlink_semaphore("/" + entry[4:])
+                else:
+                    continue
+                removed += 1
+            except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
+                pass
+        mine = [seg for seg in list(_mapped) if seg.name.lstrip("/").startswith(base)]
+        kept = {seg.name for seg in mine if seg.kept}       # (a file's memory is the file's: any
+        for seg in mine:                                    # mapping of a kept one keeps it)
+            if seg.name not in kept:
+                seg.release()
     return removed
 
 
