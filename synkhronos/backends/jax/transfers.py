@@ -184,8 +184,11 @@ def _pinned_read(arr):
         return None
     import jax
     p = jax.device_put(arr, sharding)
-    p.block_until_ready()
-    return np.from_dlpack(p)         # (the view keeps the pinned buffer alive)
+    p.block_until_ready()            # (a failed computation raises here)
+    try:
+        return np.from_dlpack(p)     # (the view keeps the pinned buffer alive)
+    except (TypeError, ValueError, BufferError, RuntimeError):
+        return None                  # a dtype numpy takes no DLPack view of (bfloat16)
 
 
 def _pinned_sharding():
