@@ -1,6 +1,8 @@
 """The ``hier`` collectives of a session spanning several hosts: shared memory among the
 ranks of a host (the ``shm`` slots), one MPI collective between hosts on a host buffer
 (run by the host's MPI process), shared memory again to give every rank the result."""
+import time
+
 import numpy as np
 
 from .requests import Pending, Requests, abandon
@@ -12,6 +14,8 @@ from ... import reductions as red
 from ... import signals
 from ...errors import Aborted
 from ...kernels import half
+
+ABORT_GRACE_S = 0.5      # an aborted operation between hosts may still complete: how long to let it
 
 
 class HierComm:
@@ -83,15 +87,22 @@ class HierComm:
             self.retire = True                       # until answered: see _host_buffer
             if self.w is not None:                   # the master: its host's MPI process
                 op = Pending(self.coll.comm, self.w.MPI, req, self.mpi_buffers)
-                done = []
+                done, aborted = [], []
 
                 def ready():                         # (watching the other hosts meanwhile)
                     if op.test():
                         done.append(True)
                         return True
                     # a rank that failed before its host's MPI process joined (e.g. in the
-                    # gradient before a step's all-reduce): the operation can never complete
-                    return self.ctl.aborted()
+                    # gradient before a step's all-reduce): the operation can never complete.
+                    # But the other hosts may have completed it and failed after it, alike
+                    # (shapes every rank checks): it then completes here too in a moment
+                    if not self.ctl.aborted():
+                        return False
+                    now = time.monotonic()
+                    if not aborted:
+                        aborted.append(now)
+                    return now - aborted[0] > ABORT_GRACE_S
                 try:
                     self.ctl.waiter.wait(ready, self.ctl.sleep, owed=lambda: [],
                                          what="a collective between hosts", keep_hot=OP_HOT)
