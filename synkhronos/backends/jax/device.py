@@ -340,7 +340,7 @@ class JaxDevice:
         if not arrays and not inflight:
             return
         jax.block_until_ready(list(arrays) + inflight)   # an XLA error surfaces here (reading a failed
-        #                                                   buffer aborts)
+        #                                                   buffer hangs: JAX 0.12 CPU, measured)
 
     def explain(self, exc, rank, what, inputs):
         """XLA's RESOURCE_EXHAUSTED becomes ``DeviceMemoryError`` naming the rank, its
