@@ -24,6 +24,9 @@ import numpy as np
 
 from common import call_times, write_results
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from synkhronos.backends.shm.parallel import split_run      # noqa: E402
+
 MB = 1 << 20
 
 
@@ -146,6 +149,8 @@ def main():
                 try_(rows, "jnp.zeros_like alone", nbytes, lambda: jnp.zeros_like(d).block_until_ready())
                 try_(rows, "driver H2D only", nbytes,
                      lambda: cu.chk(cu.cuMemcpyHtoD_v2(zz.unsafe_buffer_pointer(), ptr, nbytes), "HtoD"))
+                try_(rows, "jax device_put H2D from registered (page-locked)", nbytes,
+                     lambda: jax.device_put(hv, dev).block_until_ready())
                 cu.chk(cu.cuMemHostUnregister(ptr), "unregister")
                 del hv
                 buf.close()
@@ -155,6 +160,10 @@ def main():
         other = host.copy()
         out = np.empty_like(host)
         try_(rows, "numpy add (host reduction, per input byte)", nbytes, lambda: np.add(host, other, out=out))
+        for k in (2, 4, 8):             # a rank's share on k threads (backends/shm/parallel.py)
+            if k <= (os.cpu_count() or 1):
+                try_(rows, f"numpy add on {k} threads (split_run)", nbytes,
+                     lambda k=k: split_run(lambda a, b: np.add(host[a:b], other[a:b], out=out[a:b]), 0, n, 4, k))
         try_(rows, "numpy copy (memcpy)", nbytes, lambda: np.copyto(out, host))
         try:
             import torch
