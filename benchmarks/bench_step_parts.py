@@ -13,8 +13,10 @@ through the public API only:
   one: OpenBLAS keeps its second thread spinning for a while after a two-thread call,
   which is why ``bench_training.py`` gives every contender untimed steps first.
 
-Usage: python benchmarks/bench_step_parts.py [--batches 64,256] [--reps 9]
-Prints a table and saves benchmarks/results/step_parts.json."""
+Usage: python benchmarks/bench_step_parts.py [--model mlp784|mlp] [--batches 64,256] [--reps 9]
+(``--model mlp``: the README demo's MLP 64-1024-1024-10, e.g. at its batch, ``--batches 512``.)
+Prints a table and saves benchmarks/results/step_parts.json (step_parts_<model>.json for
+another model)."""
 import argparse
 import os
 import time
@@ -28,6 +30,8 @@ from common import call_times, write_results
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="64,256", help="comma-separated batch sizes (default: 64,256)")
+    ap.add_argument("--model", default="mlp784", choices=["mlp784", "mlp"],
+                    help="mlp784 (default) or mlp (the README demo's model)")
     ap.add_argument("--reps", type=int, default=9, help="timed runs of 20 steps each (medians)")
     args = ap.parse_args()
     import pytensor
@@ -43,18 +47,18 @@ def main():
     out = {}
     try:
         x = pt.matrix("x", dtype="float32")
-        y, loss, params = models.build("mlp784", x)
+        y, loss, params = models.build(args.model, x)
         step = train.make_train_function(loss, params, [x, y], updates.adam, learning_rate=1e-3)
-        y_s, loss_s, params_s = models.build("mlp784", x)
+        y_s, loss_s, params_s = models.build(args.model, x)
         sharded = train.make_train_function(loss_s, params_s, [x, y_s], updates.adam, learning_rate=1e-3,
                                             shard_updates=True)
         # the bound: each rank's own gradient and whole Adam update, nothing exchanged
-        y_b, loss_b, params_b = models.build("mlp784", x)
+        y_b, loss_b, params_b = models.build(args.model, x)
         _, local_updates, _ = updates.adam(updates.Reduced(pytensor.grad(loss_b, params_b)), params_b,
                                            learning_rate=1e-3)
         local = synk.function([x, y_b], loss_b, updates=local_updates, name="no_exchange")
         synk.distribute()
-        X, Y = models.model_data("mlp784", rng)
+        X, Y = models.model_data(args.model, rng)
         Xd, Yd = synk.data(X), synk.data(Y)
         grad_var = step.grad_shared
         for B in [int(b) for b in args.batches.split(",")]:
@@ -96,13 +100,14 @@ def main():
                 row[f"chained step right after a {threads}-thread PyTensor run"] = float(
                     np.median([after(threads)() for _ in range(args.reps)])) / len(idxs)
             out[B] = row
-            print(f"\nMLP 784-512-512-10, Adam, batch {B}, n=2: time per step (median of {args.reps} x 20)")
+            print(f"\n{models.MODELS[args.model]['desc']}, Adam, batch {B}, n=2: time per step (median of {args.reps} x 20)")
             for k, v in row.items():
                 print(f"  {k:58s} {v * 1e3:8.3f} ms")
     finally:
         synk.close()
-    write_results(dict(results=out, cores=os.cpu_count(), time=time.strftime("%Y-%m-%d %H:%M:%S")),
-                  "step_parts.json")
+    write_results(dict(model=models.MODELS[args.model]["desc"], results=out, cores=os.cpu_count(),
+                       time=time.strftime("%Y-%m-%d %H:%M:%S")),
+                  "step_parts.json" if args.model == "mlp784" else f"step_parts_{args.model}.json")
 
 
 if __name__ == "__main__":
