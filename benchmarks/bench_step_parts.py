@@ -100,7 +100,8 @@ def main():
                 row[f"chained step right after a {threads}-thread PyTensor run"] = float(
                     np.median([after(threads)() for _ in range(args.reps)])) / len(idxs)
             out[B] = row
-            print(f"\n{models.MODELS[args.model]['desc']}, Adam, batch {B}, n=2: time per step (median of {args.reps} x 20)")
+            print(f"\n{models.MODELS[args.model]['desc']}, Adam, batch {B}, n=2: "
+                  f"time per step (median of {args.reps} x 20)")
             for k, v in row.items():
                 print(f"  {k:58s} {v * 1e3:8.3f} ms")
     finally:
