@@ -584,8 +584,9 @@ def test_ps_failing_worker(assert_clean):
         ps, Xd, Yd = _ps_session(slow_rank=None, nan_rows=150)
         t0 = time.monotonic()
         with pytest.raises(synk.WorkerError, match="NaN in this worker's rows") as err:
-            ps.run(Xd, Yd, max_seconds=5.0, batch_size=8, verbose=False)
-        assert time.monotonic() - t0 < 3
+            ps.run(Xd, Yd, max_seconds=60.0, batch_size=8, verbose=False)
+        # at once, not at max_seconds (its first call JIT-compiles: 5.5 s on a loaded machine)
+        assert time.monotonic() - t0 < 30
         assert err.value.ranks == [2]
         res = err.value.ps_result
         assert res is ps.last_result and res.per_rank[2]["applied"] == 0 and ps.version == res.version
