@@ -11,7 +11,10 @@ through the public API only:
 * PyTensor in the master on the whole batch, with one and with two BLAS threads;
 * the chained step right after a two-thread PyTensor run, against right after a one-thread
   one: OpenBLAS keeps its second thread spinning for a while after a two-thread call,
-  which is why ``bench_training.py`` gives every contender untimed steps first.
+  which is why ``bench_training.py`` gives every contender untimed steps first;
+* the model's widest product, ``(batch x H) @ (H x H)``: in the master on one and on two
+  BLAS threads, on half the rows on one thread, and on half the rows in each of the two
+  ranks at once (one call): whether the ranks can beat BLAS threads on it at all.
 
 Usage: python benchmarks/bench_step_parts.py [--model mlp784|mlp] [--batches 64,256] [--reps 9]
 (``--model mlp``: the README demo's MLP 64-1024-1024-10, e.g. at its batch, ``--batches 512``.)
@@ -57,6 +60,10 @@ def main():
         _, local_updates, _ = updates.adam(updates.Reduced(pytensor.grad(loss_b, params_b)), params_b,
                                            learning_rate=1e-3)
         local = synk.function([x, y_b], loss_b, updates=local_updates, name="no_exchange")
+        H = models.MODELS[args.model]["sizes"][1]
+        W = pytensor.shared(rng.random((H, H), dtype=np.float32), name="W")
+        a = pt.matrix("a", dtype="float32")
+        product = synk.function([a], (pt.sum(a @ W), "sum"), name="product")   # each rank: its rows
         synk.distribute()
         X, Y = models.model_data(args.model, rng)
         Xd, Yd = synk.data(X), synk.data(Y)
@@ -99,10 +106,22 @@ def main():
             for threads in (1, 2):
                 row[f"chained step right after a {threads}-thread PyTensor run"] = float(
                     np.median([after(threads)() for _ in range(args.reps)])) / len(idxs)
+            A = rng.random((B, H), dtype=np.float32)
+            Ad, Wv = synk.data(A), W.get_value()
+            gemm = {f"one thread, {B} rows": (1, A), f"two threads, {B} rows": (2, A),
+                    f"one thread, {B // 2} rows": (1, A[:B // 2])}
+            for k, (threads, rows) in gemm.items():
+                with threadpool_limits(limits=threads):
+                    row[f"product {k}"] = float(np.median(call_times(lambda: rows @ Wv, args.reps * 3, 10)))
+            product(Ad)
+            row[f"product {B // 2} rows in each rank at once (n=2)"] = float(
+                np.median(call_times(lambda: product(Ad), args.reps * 3, 10)))
             out[B] = row
             print(f"\n{models.MODELS[args.model]['desc']}, Adam, batch {B}, n=2: "
                   f"time per step (median of {args.reps} x 20)")
             for k, v in row.items():
+                if k.startswith("product"):
+                    k = k.replace("product", f"GEMM (rows x {H}) @ ({H} x {H}),", 1)
                 print(f"  {k:58s} {v * 1e3:8.3f} ms")
     finally:
         synk.close()

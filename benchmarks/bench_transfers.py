@@ -24,8 +24,7 @@ import numpy as np
 
 from common import call_times, write_results
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from synkhronos.backends.shm.parallel import split_run      # noqa: E402
+from synkhronos.backends.shm.parallel import split_run
 
 MB = 1 << 20
 
