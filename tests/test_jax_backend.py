@@ -235,3 +235,65 @@ def test_device_out_of_memory_names_the_rank_and_applies_nothing(assert_clean):
         assert [float(synk.get_value(r, w)) for r in range(2)] == [2.0, 2.0]
     finally:
         synk.close()
+
+
+def test_staged_all_reduce_adding_on_the_device(monkeypatch):
+    """SYNK_STAGED_REDUCE=device (the default on GPUs): every rank reads the others' values
+    from their slots and reduces on its device in rank order.  Three ranks: each op gives
+    the rank-order numpy result and the same bits on every rank; int32 means (a float64
+    accumulator, no x64 here) go through the host's reduction; unequal shapes raise on
+    every rank and change nothing; a 4 MB value takes the slots' threaded copy."""
+    monkeypatch.setenv("SYNK_STAGED_REDUCE", "gpu")
+    with pytest.raises(ValueError, match="SYNK_STAGED_REDUCE='gpu' must be 'device' or 'host'"):
+        synk.fork(2, mode="JAX", use_gpu=False)
+    assert synk.session_info() is None
+    monkeypatch.setenv("SYNK_STAGED_REDUCE", "device")
+    n = synk.fork(3, mode="JAX", use_gpu=False)
+    try:
+        v = pytensor.shared(np.zeros((40, 3), "float32"), name="v")
+        i = pytensor.shared(np.zeros(7, "int32"), name="i")
+        h = pytensor.shared(np.zeros(5, "float16"), name="h")
+        big = pytensor.shared(np.zeros(1 << 20, "float32"), name="big")
+        synk.function([], v.sum() + i.sum() + h.sum() + big.sum())
+        synk.distribute()
+        assert "all_reduce adding on the device" in synk.session_info().device
+        rng = np.random.default_rng(3)
+        vals = [rng.standard_normal((40, 3)).astype("float32") for _ in range(n)]
+        ufunc = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+        for op in ("sum", "prod", "max", "min", "avg"):
+            for r in range(n):
+                synk.set_value(r, v, vals[r])
+            synk.all_reduce(v, op)
+            got = [np.asarray(synk.get_value(r, v)) for r in range(n)]
+            assert _on_device(v)
+            acc = vals[0]
+            for x in vals[1:]:
+                acc = ufunc.get(op, np.add)(acc, x)
+            if op == "avg":
+                np.testing.assert_allclose(got[0], acc / np.float32(n), rtol=1e-6)
+            else:
+                np.testing.assert_array_equal(got[0], acc)
+            for g in got[1:]:
+                np.testing.assert_array_equal(g, got[0])          # every replica the same bits
+        for r in range(n):
+            synk.set_value(r, i, np.arange(7, dtype="int32") * (r + 1))
+        synk.all_reduce(i, "max")
+        np.testing.assert_array_equal(synk.get_value(2, i), np.arange(7) * 3)
+        synk.all_reduce(i, "avg")                                   # the host's float64 mean
+        np.testing.assert_array_equal(synk.get_value(1, i), np.arange(7) * 3)
+        for r in range(n):
+            synk.set_value(r, h, np.full(5, 30000 if r < 2 else -1000, "float16"))
+        synk.all_reduce(h, "sum")                                   # float32 accumulator
+        np.testing.assert_array_equal(synk.get_value(0, h), np.full(5, 59008, "float16"))
+        synk.set_value(1, v, np.ones((2, 3), "float32"))
+        before = [np.asarray(synk.get_value(r, v)).copy() for r in range(n)]
+        with pytest.raises(ValueError, match="same shape on every rank"):
+            synk.all_reduce(v, "sum")
+        for r in range(n):
+            np.testing.assert_array_equal(synk.get_value(r, v), before[r])
+        for r in range(n):
+            synk.set_value(r, big, np.full(1 << 20, r + 0.5, "float32"))
+        synk.all_reduce(big, "sum")
+        assert [float(synk.get_value(r, big)[-1]) for r in range(n)] == [4.5] * n
+    finally:
+        synk.close()

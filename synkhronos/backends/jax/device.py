@@ -27,6 +27,8 @@ Settings (environment of the master):
 * ``SYNK_GPU_MEM_FRACTION``: fraction of each GPU JAX preallocates (default: none, memory
   is allocated as needed, ``XLA_PYTHON_CLIENT_PREALLOCATE=false``).  Your own
   ``XLA_PYTHON_CLIENT_*`` memory variables, when set, are kept instead.
+* ``SYNK_STAGED_REDUCE``: ``device`` or ``host``: where a host-staged ``all_reduce`` adds
+  (default: on the device on GPUs, on the host on the CPU).
 * ``SYNK_GPUS``: the GPU of each rank, e.g. ``0,1`` (may repeat a GPU: then collectives go
   through the host, NCCL refusing two ranks on one GPU)."""
 
@@ -59,6 +61,16 @@ def _mem_settings():
             raise ValueError(f"SYNK_GPU_MEM_FRACTION={frac!r} must be a fraction in (0, 1]")
         return {"XLA_PYTHON_CLIENT_PREALLOCATE": "true", "XLA_PYTHON_CLIENT_MEM_FRACTION": frac}
     return {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+
+
+def _staged_reduce(platform):
+    """Whether host-staged all-reduces add on the device: ``SYNK_STAGED_REDUCE`` (``device``
+    or ``host``), by default on GPUs (the adds at the GPU's speed, one host copy fewer) and
+    not on the CPU (there the ranks' shared-memory reduction splits the work among them)."""
+    want = os.environ.get("SYNK_STAGED_REDUCE", "").strip().lower()
+    if want not in ("", "device", "host"):
+        raise ValueError(f"SYNK_STAGED_REDUCE={want!r} must be 'device' or 'host'")
+    return want == "device" if want else platform == "gpu"
 
 
 def _with_flag(flags, flag):
@@ -111,7 +123,7 @@ class JaxDevice:
         return usable_cores()
 
     def __init__(self, n, platform="cpu", gpus=None, visible=None, threads=None, mem=None, xla=None,
-                 floatX=None, why_staged=None, local_n=None, matmul_precision=None):
+                 floatX=None, why_staged=None, local_n=None, matmul_precision=None, reduce_on_device=None):
         self.n = n
         self.local_n = local_n or n          # the ranks that share this host's cores
         if platform not in ("cpu", "gpu"):
@@ -125,6 +137,7 @@ class JaxDevice:
         self.xla = xla                     # None, or how processes reach jax.distributed
         self.floatX = floatX
         self.why_staged = why_staged       # why collectives of device arrays go through the host
+        self.reduce_on_device = reduce_on_device    # host-staged all_reduce: add on the device (plan_comm)
         self.matmul_precision = matmul_precision    # None: the master's JAX setting (in plan_comm)
         self.master_rank = None
         self.alive = None
@@ -136,7 +149,7 @@ class JaxDevice:
         return {"kind": self.kind, "platform": self.platform, "gpus": self.gpus, "visible": self.visible,
                 "threads": self.threads, "mem": self.mem, "xla": self.xla, "floatX": self.floatX,
                 "why_staged": self.why_staged, "local_n": self.local_n,
-                "matmul_precision": self.matmul_precision}
+                "matmul_precision": self.matmul_precision, "reduce_on_device": self.reduce_on_device}
 
     # ---- the session's collectives (decided in the master, before workers start) -------------
     def plan_comm(self, master_rank, alive=None, timeout=None):
@@ -183,6 +196,7 @@ class JaxDevice:
             self.xla = {"address": f"127.0.0.1:{port}", "master_rank": master_rank, "master_pid": os.getpid(),
                         "timeout": timeout}
         self.why_staged = why
+        self.reduce_on_device = _staged_reduce(self.platform)
         return self.xla is not None
 
     def process_id(self, rank):
@@ -362,11 +376,12 @@ class JaxDevice:
         return DeviceMemoryError(rank, where, what, detail, _sizes(inputs), stats)
 
     def describe(self):
+        adds = ", all_reduce adding on the device" if self.reduce_on_device and self.n > 1 else ""
         if self.platform == "gpu":
-            comm = "NCCL (XLA collectives)" if self.xla else "host-staged collectives"
+            comm = "NCCL (XLA collectives)" if self.xla else f"host-staged collectives{adds}"
             return (f"{self.n} GPU rank(s) (GPU {', '.join(self.gpus)}), PyTensor JAX backend, {comm}"
                     f"{runtime.precision_note(self.matmul_precision)}")
-        comm = "XLA gloo collectives" if self.xla else "shared-memory collectives"
+        comm = "XLA gloo collectives" if self.xla else f"shared-memory collectives{adds}"
         return (f"{self.n} JAX CPU rank(s) on {self.cores} usable cores, {self.threads} thread(s) each, "
                 f"{comm}")
 

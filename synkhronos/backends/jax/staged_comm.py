@@ -6,8 +6,18 @@ results back (copies: a device array never aliases the shared slots, which the n
 collective reuses).  The host collective is always fenced, since the results are read at
 once.  It serves whatever the device's own path (XLA's collectives: NCCL on GPUs) does not,
 and everything when that path is not available; on a GPU it says so, once per reason (rank 0
-only)."""
+only).
+
+``all_reduce`` of numeric values combines on the device where the device says so
+(``reduce_on_device``: the default on GPUs, ``SYNK_STAGED_REDUCE``): every rank copies its
+value into its page-locked slot, copies the other ranks' slots to its device and reduces
+there in rank order (so every rank computes the same bits), instead of reducing on the
+host and copying the result back: one host copy fewer, and the adds at the GPU's speed."""
 import sys
+
+import numpy as np
+
+from ...reductions import accumulator
 
 
 _warned = set()
@@ -25,6 +35,7 @@ class StagedComm:
         self.host, self.device, self.why, self.front = host, device, why, front
         self.n = host.n
         self.gpu = getattr(device, "platform", None) == "gpu"
+        self.on_device = bool(getattr(device, "reduce_on_device", False)) and hasattr(host, "read_all")
 
     def accepts(self, verb, dtype, op=None, placement="host"):
         if placement != "device" or not self.host.accepts(verb, dtype, op, "host"):
@@ -56,8 +67,21 @@ class StagedComm:
     def all_reduce(self, items, op, fence=True, scratch=False, owned=False):   # (device arrays: new)
         if self.n == 1:
             return [a for _, a in items]     # device arrays are immutable: the value itself
+        if self.on_device and all(_device_reducible(op, a.dtype) for _, a in items):
+            return self._device_all_reduce(items, op, scratch)
         return self._d(self.host.all_reduce([(k, self._h(a)) for k, a in items], op, fence=True,
                                             scratch=scratch))
+
+    def _device_all_reduce(self, items, op, scratch):
+        """Every rank's value through the host slots, reduced on this rank's device."""
+        me = self.host.rank
+
+        def combine(views):
+            out = [self.device.combine(op, [a if r == me else v for r, v in enumerate(vs)])
+                   for (_, a), vs in zip(items, views)]
+            self.device.wait(out)          # copies done (the slots may change) and errors raised, before the vote
+            return out
+        return self.host.read_all([(k, self._h(a)) for k, a in items], combine, "all_reduce", scratch=scratch)
 
     def reduce(self, items, op, root, in_place=True, fence=True):
         if self.n == 1 and in_place:
@@ -94,3 +118,15 @@ class StagedComm:
 
     def close(self):
         pass
+
+
+def _device_reducible(op, dtype):
+    """Whether the device reduces ``op`` of ``dtype`` as the host would: numeric values whose
+    accumulator JAX has (64-bit ones only in JAX's x64 mode)."""
+    dtype = np.dtype(dtype)
+    if dtype.kind not in "fiu":
+        return False
+    if accumulator(op, dtype).itemsize <= 4 or dtype.itemsize == 8:
+        return True
+    import jax
+    return bool(jax.config.jax_enable_x64)

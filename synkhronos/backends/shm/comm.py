@@ -328,6 +328,27 @@ class ShmComm:
         self.sync.barrier()              # slots may change only once every rank has read them
         return [res for res, _ in out]
 
+    def read_all(self, items, use, what, scratch=False):
+        """For callers that combine the ranks' values elsewhere (on a device): every rank
+        publishes its whole value of each item in its slot (equal shapes checked: every rank
+        raises alike), then ``use(views)`` runs on every rank, ``views[i][r]`` being rank
+        r's value of item i (read-only views of the slots, valid only inside ``use``); its
+        result is returned once every rank's ``use`` succeeded (the all-or-nothing vote;
+        ``scratch``: no vote, a meeting).  No slot is written here after the first meeting."""
+        if self.n == 1:
+            return use([[np.asarray(a)] for _, a in items])
+        for key, arr in items:
+            self._stage(key, arr, own=(0, 0))         # the whole value: every other rank reads it
+        self.sync.barrier(check_after=False)
+        self._equal_shapes([k for k, _ in items], what)
+        views = [[self.slots.view(key, r, np.asarray(arr).dtype) for r in range(self.n)] for key, arr in items]
+        out = use(views)
+        if scratch:
+            self.sync.barrier()          # every rank has read the slots
+        else:
+            self._commit(lambda: None)   # (a rank votes once it has read them)
+        return out
+
     def shapes(self, shapes):
         if self.n == 1:
             return [[tuple(s)] for s in shapes]
