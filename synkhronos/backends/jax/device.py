@@ -64,13 +64,17 @@ def _mem_settings():
 
 
 def _staged_reduce(platform):
-    """Whether host-staged all-reduces add on the device: ``SYNK_STAGED_REDUCE`` (``device``
-    or ``host``), by default on GPUs (the adds at the GPU's speed, one host copy fewer) and
-    not on the CPU (there the ranks' shared-memory reduction splits the work among them)."""
+    """Where host-staged all-reduces add: ``"all"`` on the device (``SYNK_STAGED_REDUCE=device``),
+    ``"large"`` on the device from ``staged_comm.DEVICE_MIN_BYTES`` on (the default on GPUs:
+    the adds at the GPU's speed, one host copy fewer; small values take the host's one-meeting
+    path), None on the host (``host``; the default on the CPU, where the ranks' shared-memory
+    reduction splits the work among them)."""
     want = os.environ.get("SYNK_STAGED_REDUCE", "").strip().lower()
     if want not in ("", "device", "host"):
         raise ValueError(f"SYNK_STAGED_REDUCE={want!r} must be 'device' or 'host'")
-    return want == "device" if want else platform == "gpu"
+    if want:
+        return "all" if want == "device" else None
+    return "large" if platform == "gpu" else None
 
 
 def _with_flag(flags, flag):
@@ -137,7 +141,7 @@ class JaxDevice:
         self.xla = xla                     # None, or how processes reach jax.distributed
         self.floatX = floatX
         self.why_staged = why_staged       # why collectives of device arrays go through the host
-        self.reduce_on_device = reduce_on_device    # host-staged all_reduce: add on the device (plan_comm)
+        self.reduce_on_device = reduce_on_device    # host-staged all_reduce adds on the device: "all", "large", None
         self.matmul_precision = matmul_precision    # None: the master's JAX setting (in plan_comm)
         self.master_rank = None
         self.alive = None
@@ -376,7 +380,9 @@ class JaxDevice:
         return DeviceMemoryError(rank, where, what, detail, _sizes(inputs), stats)
 
     def describe(self):
-        adds = ", all_reduce adding on the device" if self.reduce_on_device and self.n > 1 else ""
+        adds = ""
+        if self.reduce_on_device and self.n > 1:
+            adds = ", all_reduce adding on the device" + (" from 1 MB" if self.reduce_on_device == "large" else "")
         if self.platform == "gpu":
             comm = "NCCL (XLA collectives)" if self.xla else f"host-staged collectives{adds}"
             return (f"{self.n} GPU rank(s) (GPU {', '.join(self.gpus)}), PyTensor JAX backend, {comm}"

@@ -9,7 +9,8 @@ and everything when that path is not available; on a GPU it says so, once per re
 only).
 
 ``all_reduce`` of numeric values combines on the device where the device says so
-(``reduce_on_device``: the default on GPUs, ``SYNK_STAGED_REDUCE``): every rank copies its
+(``reduce_on_device``: ``"all"``, or ``"large"`` for values of ``DEVICE_MIN_BYTES`` and more:
+the default on GPUs; ``SYNK_STAGED_REDUCE``): every rank copies its
 value into its page-locked slot, copies the other ranks' slots to its device and reduces
 there in rank order (so every rank computes the same bits), instead of reducing on the
 host and copying the result back: one host copy fewer, and the adds at the GPU's speed."""
@@ -21,6 +22,7 @@ from ...reductions import accumulator
 
 
 _warned = set()
+DEVICE_MIN_BYTES = 1 << 20      # ("large") smaller values: the host's one-meeting all_reduce is faster
 
 
 class StagedComm:
@@ -35,7 +37,7 @@ class StagedComm:
         self.host, self.device, self.why, self.front = host, device, why, front
         self.n = host.n
         self.gpu = getattr(device, "platform", None) == "gpu"
-        self.on_device = bool(getattr(device, "reduce_on_device", False)) and hasattr(host, "read_all")
+        self.on_device = getattr(device, "reduce_on_device", None) if hasattr(host, "read_all") else None
 
     def accepts(self, verb, dtype, op=None, placement="host"):
         if placement != "device" or not self.host.accepts(verb, dtype, op, "host"):
@@ -67,7 +69,8 @@ class StagedComm:
     def all_reduce(self, items, op, fence=True, scratch=False, owned=False):   # (device arrays: new)
         if self.n == 1:
             return [a for _, a in items]     # device arrays are immutable: the value itself
-        if self.on_device and all(_device_reducible(op, a.dtype) for _, a in items):
+        if self.on_device and (self.on_device == "all" or sum(a.nbytes for _, a in items) >= DEVICE_MIN_BYTES) \
+                and all(_device_reducible(op, a.dtype) for _, a in items):
             return self._device_all_reduce(items, op, scratch)
         return self._d(self.host.all_reduce([(k, self._h(a)) for k, a in items], op, fence=True,
                                             scratch=scratch))
