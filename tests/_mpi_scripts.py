@@ -113,6 +113,15 @@ def scenario_features(n):
     out = f(d, Y, num_slices=3)
     ck.close("f sum num_slices=3, Data", out[0], (X @ Y).sum())
     ck.close("f avg num_slices=3", out[4], X.mean())
+    # data of over 32 KB for the other host travels as its own MPI message (smaller: inside
+    # the command's): whole, a range of rows, rows by index
+    Xb = rng.integers(-5, 6, (6000, 4)).astype(np.float64)
+    db = synk.data(Xb)
+    for batch in (None, slice(100, 5900), rng.permutation(6000)[:5000]):
+        rows = np.arange(6000)[batch] if batch is not None else np.arange(6000)
+        out = f(db, Y, batch=batch)
+        ck.close(f"f sum, 188 KB Data, batch {type(batch).__name__}", out[0], (Xb[rows] @ Y).sum())
+        ck.close(f"f gather, 188 KB Data, batch {type(batch).__name__}", out[3], Xb[rows].sum(axis=1))
     # ---- scatter (values of different lengths), batch_s, sliceable shareds
     T1 = rng.integers(0, 9, (13, 4)).astype(np.float64)
     V1 = np.arange(5.0 * n)

@@ -5,6 +5,7 @@ collectives and channel messages).  ``serve_host`` is its whole life: ``synk.for
 never returns there."""
 import dataclasses
 import os
+import pickle
 import signal
 import sys
 import time
@@ -253,26 +254,31 @@ class Agent:
     def command(self, seq, wire, heads):
         """A command from the master: take the data it needs into this host's copies of the
         master's buffers, drop the copies the master released, hand it to the ranks."""
-        command = Command(*wire)
+        name, _, forget, settle, blob = wire           # (the arguments pickled once, by the master)
+        command = Command(name, None, forget, settle)
         for handle in command.forget:                 # the master's released buffers
             seg = self.mirrors.pop(handle, None)
             if seg is not None:
                 seg.unlink()
-        for ref, kind, where, idx_ref, nbytes in heads:
+        for ref, kind, where, idx_ref, nbytes, inline in heads:
             arr = self.mirror(ref)
-            if kind == "all":
-                self.w.recv_array(arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8), 0)
-            elif kind == "rows":
-                self.w.recv_array(arr[where], 0)
-            else:
+            if kind == "index":
                 part = np.empty((nbytes // max(1, arr.dtype.itemsize * int(np.prod(arr.shape[1:])) or 1),)
                                 + arr.shape[1:], arr.dtype)
+            else:
+                part = arr if kind == "all" else arr[where]
+            if inline is not None:       # (small data comes inside the command's message)
+                np.copyto(part, np.frombuffer(inline, arr.dtype).reshape(part.shape))
+            elif kind == "all":
+                self.w.recv_array(arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8), 0)
+            else:
                 self.w.recv_array(part, 0)
+            if kind == "index":
                 positions = self.mirror(idx_ref)[where[0]:where[1]]
                 arr[positions] = part
         if command.name == "distribute":              # the ranks attach to the slot table
-            self.table = Slots(self.prefix, 0, self.k + 1, max(64, command.args[1]), True)
-        self.ctl.send(seq, command)
+            self.table = Slots(self.prefix, 0, self.k + 1, max(64, pickle.loads(blob)[1]), True)
+        self.ctl.send(seq, command, blob=blob)
         self.inflight = seq
 
     def mirror(self, ref):

@@ -37,6 +37,8 @@ its host; a killed master takes every MPI process down (MPICH), and the workers 
 host then exit and free the host's shared memory (MPICH's own ``mpich_shm_*`` file
 included); an uncaught exception in an MPI process ends the job (``MPI_Abort``) instead of
 hanging it."""
+import pickle
+
 import numpy as np
 
 from .world import CMD, DATA, RESYNC
@@ -63,6 +65,9 @@ def host_block(need, ranks):
     return ("index", (a, b))
 
 
+INLINE_BYTES = 32 << 10      # a command's data up to this size travels inside its message
+
+
 class HierControl:
     """The master's control plane when the session spans several hosts: its own host's
     shared-memory session, plus MPI messages to the agents of the other hosts."""
@@ -78,6 +83,7 @@ class HierControl:
         self.workers = tuple(range(1, self.n))
         self.waiter = waiter
         self.remote = {r: m for m, rng in host_ranks.items() if m != 0 for r in rng}
+        self._args = (None, None)                 # (the last command's arguments, their pickle)
 
     # master
     def send(self, seq, command, needs=()):
@@ -110,12 +116,16 @@ class HierControl:
                     idx = self.local.array(need.rows.index)[where[0]:where[1]]
                     part = np.take(src, idx, axis=0)
                     where = (where[0], where[1])
+                inline = part.tobytes() if part.nbytes <= INLINE_BYTES else None   # (one message less)
                 heads.append((tuple(need.ref), kind, where, None if need.rows is None or need.rows.index is None
-                              else tuple(need.rows.index), part.nbytes))
-                pays.append(part)
+                              else tuple(need.rows.index), part.nbytes, inline))
+                if inline is None:
+                    pays.append(part)
             headers[m], payloads[m] = heads, pays
         self.local.send(seq, command)
-        wire = tuple(command)
+        if command.args is not self._args[0]:     # pickled once per arguments object (a repeated plan)
+            self._args = (command.args, pickle.dumps(command.args, protocol=5))
+        wire = (command.name, None, command.forget, command.settle, self._args[1])
         for m in self.hub.agents:
             self.w.isend((seq, wire, headers[m]), m, CMD)
             for p in payloads[m]:

@@ -143,20 +143,22 @@ class ShmControl:
         return [r for r in self.sync_slots if r != self.rank]
 
     # ---- master --------------------------------------------------------------------------
-    def send(self, seq, command, needs=()):
+    def send(self, seq, command, needs=(), blob=None):
         # a command's arguments go as their own pickle, made once per arguments object: a
         # call repeated with the same plan sends the same bytes, which workers recognise
-        # and do not unpickle again (arguments with arrays out of band go as they are)
+        # and do not unpickle again (arguments with arrays out of band go as they are).
+        # ``blob``: the arguments pickled already (a host's agent passes the master's on)
         if not self.workers:                # one rank: nobody reads the command
             self.ctrl[CMD_SEQ] = seq
             self.begin(seq)
             return
         name, args, forget, settle = command
-        if args is not self._sent_args[0]:
-            bufs = []
-            blob = pickle.dumps(args, protocol=5, buffer_callback=bufs.append)
-            self._sent_args = (args, None if bufs else blob)
-        blob = self._sent_args[1]
+        if blob is None:
+            if args is not self._sent_args[0]:
+                bufs = []
+                blob = pickle.dumps(args, protocol=5, buffer_callback=bufs.append)
+                self._sent_args = (args, None if bufs else blob)
+            blob = self._sent_args[1]
         wire = (name, args, forget, settle) if blob is None else (name, None, forget, settle, blob)
         self.mailbox.write(seq, wire)
         self.ctrl[CMD_SEQ] = seq            # the commit point: from here on workers see it
