@@ -278,7 +278,7 @@ class Agent:
                 arr[positions] = part
         if command.name == "distribute":              # the ranks attach to the slot table
             self.table = Slots(self.prefix, 0, self.k + 1, max(64, pickle.loads(blob)[1]), True)
-        self.ctl.send(seq, command, blob=blob)
+        self.ctl.send_pickled(seq, command, blob)
         self.inflight = seq
 
     def mirror(self, ref):

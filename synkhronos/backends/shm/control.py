@@ -143,22 +143,28 @@ class ShmControl:
         return [r for r in self.sync_slots if r != self.rank]
 
     # ---- master --------------------------------------------------------------------------
-    def send(self, seq, command, needs=(), blob=None):
+    def send(self, seq, command, needs=()):
         # a command's arguments go as their own pickle, made once per arguments object: a
         # call repeated with the same plan sends the same bytes, which workers recognise
-        # and do not unpickle again (arguments with arrays out of band go as they are).
-        # ``blob``: the arguments pickled already (a host's agent passes the master's on)
-        if not self.workers:                # one rank: nobody reads the command
-            self.ctrl[CMD_SEQ] = seq
-            self.begin(seq)
-            return
-        name, args, forget, settle = command
-        if blob is None:
+        # and do not unpickle again (arguments with arrays out of band go as they are)
+        blob = None
+        if self.workers:
+            args = command.args
             if args is not self._sent_args[0]:
                 bufs = []
                 blob = pickle.dumps(args, protocol=5, buffer_callback=bufs.append)
                 self._sent_args = (args, None if bufs else blob)
             blob = self._sent_args[1]
+        self.send_pickled(seq, command, blob)
+
+    def send_pickled(self, seq, command, blob):
+        """``send`` of a command whose arguments come pickled already (``blob``; None: as
+        they are): a host's agent passes the master's pickle on to its ranks."""
+        if not self.workers:                # one rank: nobody reads the command
+            self.ctrl[CMD_SEQ] = seq
+            self.begin(seq)
+            return
+        name, args, forget, settle = command
         wire = (name, args, forget, settle) if blob is None else (name, None, forget, settle, blob)
         self.mailbox.write(seq, wire)
         self.ctrl[CMD_SEQ] = seq            # the commit point: from here on workers see it
