@@ -297,3 +297,32 @@ def test_staged_all_reduce_adding_on_the_device(monkeypatch):
         assert [float(synk.get_value(r, big)[-1]) for r in range(n)] == [4.5] * n
     finally:
         synk.close()
+
+
+def test_staged_device_all_reduce_with_a_rank_killed_ends_in_worker_died(monkeypatch, assert_clean):
+    """A rank killed while the others loop on 8 MB all-reduces added on the device (every
+    moment of one: copying into the slots, reading them to the device, adding, voting):
+    WorkerDied naming it, within seconds, the session closed, nothing left behind."""
+    import threading
+    import time
+    monkeypatch.setenv("SYNK_STAGED_REDUCE", "device")
+    synk.fork(3, mode="JAX", use_gpu=False)
+    try:
+        big = pytensor.shared(np.ones(1 << 21, "float32"), name="big")
+        synk.function([], big.sum())
+        synk.distribute()
+        synk.all_reduce(big, "max")
+        pid = tu.pid_of(2)
+        killer = threading.Timer(0.3, tu.kill_rank, (2,))
+        killer.start()
+        t0 = time.monotonic()
+        with pytest.raises(synk.WorkerDied, match="rank 2"):
+            for _ in range(10000):
+                synk.all_reduce(big, "max")
+        assert time.monotonic() - t0 < 10
+        killer.join()
+        assert not tu.pid_running(pid)
+        assert synk.session_info() is None
+    finally:
+        synk.close()
+    assert_clean()
