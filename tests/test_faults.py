@@ -917,8 +917,12 @@ def test_ctrl_c_in_master(where, then):
 # ==============================================================================================
 # Ctrl-C at random instants, thousands of times
 
+_STORM_ENV = {"numba": None, "JAX": {"SYNK_MODE": "JAX"},
+              "JAX-device-adds": {"SYNK_MODE": "JAX", "SYNK_STAGED_REDUCE": "device"}}
+
+
 @pytest.mark.parametrize("mode,n,target", [("numba", 1, 300), ("numba", 2, 1200), ("numba", 3, 1500),
-                                           ("JAX", 1, 300), ("JAX", 2, 600),
+                                           ("JAX", 1, 300), ("JAX", 2, 600), ("JAX-device-adds", 2, 600),
                                            pytest.param("numba", 3, 20000, marks=pytest.mark.slow)])
 def test_sigint_storm(mode, n, target):
     """Calls (with updates, num_slices, every output mode) and collectives under SIGINTs at
@@ -926,11 +930,13 @@ def test_sigint_storm(mode, n, target):
     rank's state; after every interrupt the state is the one before the operation or the
     one after it, on every rank at once; the session ends clean.  On JAX ranks too: an
     interrupt during a jitted call's dispatch once surfaced as jaxlib's ``ValueError: Cache
-    keys should be comparable`` instead of a KeyboardInterrupt."""
+    keys should be comparable`` instead of a KeyboardInterrupt.  And with the all-reduces of
+    the host-staged path added on the device (SYNK_STAGED_REDUCE=device, the GPUs' path)."""
     info, res, out, rc, _ = run_script("sigint_storm", str(target), str(n), "300",
-                                       timeout=360 if target > 5000 else 150,
-                                       env={"SYNK_MODE": mode} if mode == "JAX" else None)
+                                       timeout=360 if target > 5000 else 150, env=_STORM_ENV[mode])
     assert rc == 0 and res is not None, out[-3000:]
+    if mode == "JAX-device-adds":
+        assert "all_reduce adding on the device" in out, out[:2000]
     assert res["interrupts"] >= target, res
     assert res["mismatches"] == [], res["mismatches"]
     assert res["inconsistent"] == [], res["inconsistent"]
