@@ -254,7 +254,9 @@ def test_staged_all_reduce_adding_on_the_device(monkeypatch):
         i = pytensor.shared(np.zeros(7, "int32"), name="i")
         h = pytensor.shared(np.zeros(5, "float16"), name="h")
         big = pytensor.shared(np.zeros(1 << 20, "float32"), name="big")
-        synk.function([], v.sum() + i.sum() + h.sum() + big.sum())
+        s0 = pytensor.shared(np.float32(0), name="s0")
+        e = pytensor.shared(np.zeros((0, 3), "float32"), name="e")
+        synk.function([], v.sum() + i.sum() + h.sum() + big.sum() + s0 + e.sum())
         synk.distribute()
         assert "all_reduce adding on the device" in synk.session_info().device
         rng = np.random.default_rng(3)
@@ -285,6 +287,15 @@ def test_staged_all_reduce_adding_on_the_device(monkeypatch):
             synk.set_value(r, h, np.full(5, 30000 if r < 2 else -1000, "float16"))
         synk.all_reduce(h, "sum")                                   # float32 accumulator
         np.testing.assert_array_equal(synk.get_value(0, h), np.full(5, 59008, "float16"))
+        for r in range(n):
+            synk.set_value(r, h, np.float16([65504, -65504, 0, 1, -1]))
+        synk.all_reduce(h, "avg")                                   # at float16's edge: no inf
+        np.testing.assert_array_equal(synk.get_value(2, h), np.float16([65504, -65504, 0, 1, -1]))
+        for r in range(n):
+            synk.set_value(r, s0, np.float32(r + 0.25))
+        synk.all_reduce([s0, e], "sum")                             # 0-d and empty values
+        assert [float(synk.get_value(r, s0)) for r in range(n)] == [3.75] * n
+        assert synk.get_value(1, e).shape == (0, 3)
         synk.set_value(1, v, np.ones((2, 3), "float32"))
         before = [np.asarray(synk.get_value(r, v)).copy() for r in range(n)]
         with pytest.raises(ValueError, match="same shape on every rank"):
