@@ -111,6 +111,27 @@ class Lag(Op):
         output_storage[0][0] = np.array(inputs[0], copy=True)
 
 
+class AtExit(Op):
+    """In a worker: registers an exit handler that writes ``<SYNK_TEST_EXIT_DIR>/rank<r>``
+    and leaves a line in stdout's buffer (not flushed): what a worker's exit must
+    still honour."""
+    __props__ = ()
+
+    def make_node(self, x):
+        from pytensor.tensor import as_tensor_variable
+        x = as_tensor_variable(x)
+        return Apply(self, [x], [x.type()])
+
+    def perform(self, node, inputs, output_storage):
+        r = worker_rank()
+        if r is not None:
+            import atexit
+            path = os.path.join(os.environ["SYNK_TEST_EXIT_DIR"], f"rank{r}")
+            atexit.register(lambda: open(path, "w").close())
+            sys.stdout.write(f"unflushed words of rank {r}\n")   # a pipe: block-buffered
+        output_storage[0][0] = np.array(inputs[0], copy=True)
+
+
 def quiet():
     """Silence PyTensor's 'Numba will use object mode' warning for Fault."""
     warnings.filterwarnings("ignore", message=".*Numba will use object mode.*")
@@ -293,6 +314,25 @@ def scenario_ctrl_c(where, then):
     res["step"] = "done"
     res["left"] = tu.shm_entries(prefix)
     _result(**res)
+
+
+def scenario_worker_exit(n):
+    """Workers whose user code registered exit handlers and left output unflushed; then
+    close(): how long it takes (the workers' exit is inside it)."""
+    import pytensor.tensor as T
+    import synkhronos as synk
+    import _fault_scripts as fs
+    fs.quiet()
+    n = int(n)
+    synk.fork(n)
+    x = T.vector("x", dtype="float64")
+    f = synk.function([x], (T.sum(fs.AtExit()(x)), "sum"))
+    synk.distribute()
+    total = float(f(np.arange(2.0 * n)))
+    prefix = synk.session_info().resources["shm_prefix"]
+    t0 = time.monotonic()
+    synk.close()
+    _result(total=total, close_s=time.monotonic() - t0, prefix=prefix)
 
 
 def scenario_master_busy(what):
@@ -647,4 +687,5 @@ if __name__ == "__main__":
     name, args = sys.argv[1], sys.argv[2:]
     {"ctrl_c": scenario_ctrl_c, "master_busy": scenario_master_busy,
      "sigint_storm": scenario_sigint_storm, "terminate": scenario_terminate,
-     "interrupt_compile": scenario_interrupt_compile, "close_storm": scenario_close_storm}[name](*args)
+     "interrupt_compile": scenario_interrupt_compile, "close_storm": scenario_close_storm,
+     "worker_exit": scenario_worker_exit}[name](*args)

@@ -878,6 +878,20 @@ def test_master_killed_while_busy(what):
 _HANG = "BUG: runtime.py Runtime._collect: "  # shared prefix of the two hang reasons
 
 
+def test_worker_exit_keeps_exit_handlers_and_output(tmp_path, request):
+    """A worker that quit ends without the interpreter's slow teardown, yet what its user
+    code left to do at exit still happens: exit handlers run, buffered output arrives."""
+    n = 3
+    info, res, out, rc, _ = run_script("worker_exit", str(n), env={"SYNK_TEST_EXIT_DIR": str(tmp_path)})
+    assert rc == 0 and res is not None, out[-3000:]
+    assert res["total"] == sum(range(2 * n))
+    assert sorted(os.listdir(tmp_path)) == [f"rank{r}" for r in range(1, n)], out[-3000:]
+    for r in range(1, n):
+        assert f"unflushed words of rank {r}" in out, out[-3000:]
+    assert tu.shm_entries(res["prefix"]) == []
+    fs.report(request.config, f"close() of {n} ranks: {res['close_s'] * 1e3:.0f} ms")
+
+
 @pytest.mark.parametrize("where,then", [
     pytest.param("master", "continue", id="master-share-continue"),
     pytest.param("master", "close", id="master-share-close"),
