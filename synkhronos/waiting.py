@@ -91,7 +91,12 @@ class Waiter:
                     sleep(tick)
                     if ready():
                         return
-                self.check()
+                try:
+                    self.check()
+                except BaseException:
+                    if ready():     # the answer came just before the loss (a rank's last reply)
+                        return
+                    raise
                 if idle:
                     continue
                 if owed is not None:

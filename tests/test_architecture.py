@@ -15,7 +15,8 @@ import pytest
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "synkhronos")
 MAX_LINES = 600
 # private names of the standard library and of libraries, not of synkhronos' classes
-FOREIGN_PRIVATE = {"_replace", "_asdict", "_fields", "_make", "_exit", "_getframe", "_src", "_current_frames"}
+FOREIGN_PRIVATE = {"_replace", "_asdict", "_fields", "_make", "_exit", "_getframe", "_src", "_current_frames",
+                   "_run_exitfuncs"}
 
 
 def _modules():
