@@ -46,7 +46,7 @@ fi
 
 rc=0
 start=$SECONDS
-.venv/bin/python -m pytest ${par[@]+"${par[@]}"} "${args[@]}" || rc=$?
+.venv/bin/python -m pytest ${par[@]+"${par[@]}"} --durations=25 "${args[@]}" || rc=$?
 echo "synkhronos test: main pass took $((SECONDS - start)) s ($procs process(es))"
 if [[ $rc -eq 5 ]]; then
     echo "synkhronos test: pytest collected no tests (exit 5) -- treating as failure" >&2
