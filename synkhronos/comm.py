@@ -91,3 +91,17 @@ class Comm(Protocol):
 
     def close(self) -> Any:
         """Free what this rank holds."""
+
+
+@runtime_checkable
+class ReadsAll(Protocol):
+    """An optional capability of a host comm: every rank sees every rank's value (the
+    host-staged path's device-side reduction uses it).  Implemented by ``shm``; a comm
+    without it (``hier``: the other hosts' values are not in this host's memory) leaves
+    the staged path reducing on the host."""
+
+    def read_all(self, items: Sequence, use, what: str, scratch: bool = False) -> Any:
+        """Every rank publishes its whole value of each item (equal shapes checked: every
+        rank raises alike), then ``use(views)`` runs on every rank, ``views[i][r]`` being
+        rank r's value of item i (read-only, valid only inside ``use``); its result is
+        returned once every rank's ``use`` succeeded (``scratch``: a meeting, no vote)."""

@@ -31,6 +31,7 @@ CONTRACTS = {
     "channel": ("synkhronos.channel:Channel", "synkhronos.channel:WorkerChannel"),
     "control:mpi": ("synkhronos.control:MasterControl",),      # the master's side only (workers use shm)
     "channel:mpi": ("synkhronos.channel:Channel",),            # likewise
+    "comm:shm": ("synkhronos.comm:Comm", "synkhronos.comm:ReadsAll"),   # (an optional capability: see there)
 }
 
 

@@ -18,6 +18,7 @@ import sys
 
 import numpy as np
 
+from ...comm import ReadsAll
 from ...reductions import accumulator
 
 
@@ -37,7 +38,7 @@ class StagedComm:
         self.host, self.device, self.why, self.front = host, device, why, front
         self.n = host.n
         self.gpu = getattr(device, "platform", None) == "gpu"
-        self.on_device = getattr(device, "reduce_on_device", None) if hasattr(host, "read_all") else None
+        self.on_device = getattr(device, "reduce_on_device", None) if isinstance(host, ReadsAll) else None
 
     def accepts(self, verb, dtype, op=None, placement="host"):
         if placement != "device" or not self.host.accepts(verb, dtype, op, "host"):
