@@ -5,6 +5,8 @@ whole life), outputs and updates keep their declared dtypes, partial updates of
 ``num_slices`` combine on the device, and a killed worker ends in ``WorkerDied``.
 
 One small graph per case: every JAX function compiles in every process (~0.5 s each)."""
+import collections
+import json
 import os
 
 import numpy as np
@@ -237,18 +239,20 @@ def test_device_out_of_memory_names_the_rank_and_applies_nothing(assert_clean):
         synk.close()
 
 
-def test_staged_all_reduce_adding_on_the_device(monkeypatch):
+def test_staged_all_reduce_adding_on_the_device(monkeypatch, tmp_path):
     """SYNK_STAGED_REDUCE=device (the default on GPUs): every rank reads the others' values
     from their slots and reduces on its device in rank order.  Three ranks: each op gives
-    the rank-order numpy result and the same bits on every rank; int32 means (a float64
-    accumulator, no x64 here) go through the host's reduction; unequal shapes raise on
-    every rank and change nothing; a 4 MB value takes the slots' threaded copy."""
+    the rank-order numpy result and the same bits on every rank; int32 means round as the
+    host's (a float64 accumulator: JAX's x64 mode is on); unequal shapes raise on
+    every rank and change nothing; a 4 MB value takes the slots' threaded copy.  The
+    session's timeline shows each rank's adds on its device."""
     monkeypatch.setenv("SYNK_STAGED_REDUCE", "gpu")
     with pytest.raises(ValueError, match="SYNK_STAGED_REDUCE='gpu' must be 'device' or 'host'"):
         synk.fork(2, mode="JAX", use_gpu=False)
     assert synk.session_info() is None
     monkeypatch.setenv("SYNK_STAGED_REDUCE", "device")
-    n = synk.fork(3, mode="JAX", use_gpu=False)
+    trace = tmp_path / "trace.json"
+    n = synk.fork(3, mode="JAX", use_gpu=False, timeline=str(trace))
     try:
         v = pytensor.shared(np.zeros((40, 3), "float32"), name="v")
         i = pytensor.shared(np.zeros(7, "int32"), name="i")
@@ -281,8 +285,10 @@ def test_staged_all_reduce_adding_on_the_device(monkeypatch):
             synk.set_value(r, i, np.arange(7, dtype="int32") * (r + 1))
         synk.all_reduce(i, "max")
         np.testing.assert_array_equal(synk.get_value(2, i), np.arange(7) * 3)
-        synk.all_reduce(i, "avg")                                   # the host's float64 mean
-        np.testing.assert_array_equal(synk.get_value(1, i), np.arange(7) * 3)
+        for r in range(n):
+            synk.set_value(r, i, np.arange(7, dtype="int32") + (r == 2))
+        synk.all_reduce(i, "avg")          # a float64 mean (JAX's x64 mode is on), rounded as the host rounds
+        np.testing.assert_array_equal(synk.get_value(1, i), np.arange(7))
         for r in range(n):
             synk.set_value(r, h, np.full(5, 30000 if r < 2 else -1000, "float16"))
         synk.all_reduce(h, "sum")                                   # float32 accumulator
@@ -308,6 +314,12 @@ def test_staged_all_reduce_adding_on_the_device(monkeypatch):
         assert [float(synk.get_value(r, big)[-1]) for r in range(n)] == [4.5] * n
     finally:
         synk.close()
+    adds = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "adding on the device"]
+    by_rank = collections.Counter(e["pid"] for e in adds)
+    # 5 float32 ops, int32 max and mean, 2 float16, the 0-d + empty pair, 4 MB (not the
+    # unequal shapes: refused before any add)
+    assert by_rank == {r: 11 for r in range(n)}, by_rank
+    assert {e["args"]["bytes"] for e in adds} >= {480, 28, 10, 4, 4 << 20}
 
 
 def test_staged_device_all_reduce_with_a_rank_killed_ends_in_worker_died(monkeypatch, assert_clean):

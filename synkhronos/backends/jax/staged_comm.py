@@ -15,9 +15,11 @@ value into its page-locked slot, copies the other ranks' slots to its device and
 there in rank order (so every rank computes the same bits), instead of reducing on the
 host and copying the result back: one host copy fewer, and the adds at the GPU's speed."""
 import sys
+import time
 
 import numpy as np
 
+from ... import timeline
 from ...comm import ReadsAll
 from ...reductions import accumulator
 
@@ -78,12 +80,16 @@ class StagedComm:
 
     def _device_all_reduce(self, items, op, scratch):
         """Every rank's value through the host slots, reduced on this rank's device."""
-        me = self.host.rank
+        me, tl = self.host.rank, timeline.current()
 
         def combine(views):
+            t0 = time.time()
             out = [self.device.combine(op, [a if r == me else v for r, v in enumerate(vs)])
                    for (_, a), vs in zip(items, views)]
             self.device.wait(out)          # copies done (the slots may change) and errors raised, before the vote
+            if tl is not None:             # (synk.fork(timeline=...): where the adds happened shows)
+                tl.span("adding on the device", "device", t0, time.time(),
+                        {"bytes": sum(a.nbytes for _, a in items), "ranks": len(views[0]) if views else 0})
             return out
         return self.host.read_all([(k, self._h(a)) for k, a in items], combine, "all_reduce", scratch=scratch)
 
