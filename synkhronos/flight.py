@@ -52,8 +52,9 @@ class Recorder:
         self.d[T_END] = now
         self.q[SEQ] = -seq
 
-    def collective(self, verb, nbytes=0):
-        """Entering ``verb`` (the previous one of the command, if any, goes to the ring)."""
+    def collective(self, verb, nbytes=0, via=None):
+        """Entering ``verb`` (the previous one of the command, if any, goes to the ring);
+        ``via``: the comm implementation serving it (kept by the timeline, not the ring)."""
         q = self.q
         now = self.clock()
         if q[VERB]:
@@ -94,7 +95,7 @@ class _Nothing:
 
     done = command
 
-    def collective(self, verb, nbytes=0):
+    def collective(self, verb, nbytes=0, via=None):
         pass
 
     def waiting(self, what):

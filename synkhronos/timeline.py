@@ -7,7 +7,9 @@ track, nested by time:
 
 * every command (``call of function f``, ``all_reduce``, ``distribute`` ...), with its
   sequence number;
-* inside it, every collective with its bytes, and every wait for other ranks (a barrier,
+* inside it, every collective with its bytes and the implementation that served it
+  (``via``: ``shm``, ``hier`` between hosts, ``xla`` for NCCL, ``staged`` through the host;
+  the staged path's adds on a device as a span of their own), and every wait for other ranks (a barrier,
   a vote, the next command, replies) with the ranks it waited on: a straggler is the rank
   the others' waits point at, and whose own span is the long one;
 * compiles and cache loads (``compile``), where the rank compiled a function.
@@ -98,7 +100,7 @@ class Recording:
     def __init__(self, inner, tl):
         self.inner, self.tl, self.clock = inner, tl, time.time     # (wall clock: hosts agree on it)
         self.seq, self.t_cmd = 0, None
-        self.verb, self.nbytes, self.t_verb = None, 0, None
+        self.verb, self.nbytes, self.via, self.t_verb = None, 0, None, None
         self.what, self.t_wait, self.on = None, None, ()
 
     def command(self, seq):
@@ -113,15 +115,16 @@ class Recording:
             self.tl.span(f"command {seq}", "command", self.t_cmd, now, {"seq": seq})
             self.t_cmd = None
 
-    def collective(self, verb, nbytes=0):
+    def collective(self, verb, nbytes=0, via=None):
         self.inner.collective(verb, nbytes)
         now = self.clock()
         self._end_collective(now)
-        self.verb, self.nbytes, self.t_verb = verb, nbytes, now
+        self.verb, self.nbytes, self.via, self.t_verb = verb, nbytes, via, now
 
     def _end_collective(self, now):
         if self.verb is not None:
-            self.tl.span(self.verb, "collective", self.t_verb, now, {"bytes": self.nbytes, "command": self.seq})
+            self.tl.span(self.verb, "collective", self.t_verb, now,
+                         {"bytes": self.nbytes, "command": self.seq, "via": self.via})
             self.verb = None
 
     def waiting(self, what):

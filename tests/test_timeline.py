@@ -18,6 +18,7 @@ import synk_testutil as tu
 def test_trace_of_every_rank(tmp_path, assert_clean):
     path = tmp_path / "run.json"
     n = tu.fork(3, timeline=str(path))
+    expect_via = "staged" if tu.BACKEND == "JAX" else "shm"     # (JAX CPU ranks: through the host)
     try:
         x = T.matrix("x")
         w = pytensor.shared(np.ones(3), name="w")
@@ -39,6 +40,8 @@ def test_trace_of_every_rank(tmp_path, assert_clean):
         assert sum(e["name"] == "call of function f" for e in mine) == 4, mine
         assert any(e["name"] == "all_reduce" and e["cat"] == "command" for e in mine)
         assert any(e["cat"] == "collective" and e["args"]["bytes"] > 0 for e in mine), mine
+        # each collective names the implementation that served it
+        assert {e["args"]["via"] for e in mine if e["cat"] == "collective"} == {expect_via}, mine
         assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in mine)
     assert any(e["cat"] == "compile" and e["pid"] == 0 for e in spans)
     assert any(e["cat"] == "wait" for e in spans)

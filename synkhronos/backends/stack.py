@@ -11,8 +11,6 @@ class CommStack:
         self.flight = None         # the rank's flight recorder (set by its Rank): each pick is recorded
 
     def pick(self, verb, dtype=None, op=None, placement="host", nbytes=0):
-        if self.flight is not None:
-            self.flight.collective(verb, nbytes)
         k = (verb, dtype, op, placement)
         impl = self._cache.get(k)
         if impl is None:
@@ -24,6 +22,8 @@ class CommStack:
                 raise TypeError(f"no collective implementation accepts {verb} of dtype {dtype} "
                                 f"(op {op}, on {placement}); have {[c.name for c in self.impls]}")
             self._cache[k] = impl
+        if self.flight is not None:
+            self.flight.collective(verb, nbytes, via=impl.name)
         return impl
 
     def setup(self, n_keys, names=None):
