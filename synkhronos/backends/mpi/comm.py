@@ -121,7 +121,11 @@ class HierComm:
                 if not self.requests.answered(token):
                     raise Aborted("another rank failed during this collective")
             self.retire = False
-        self.ctl.host_barrier()
+        # every rank of the host has the answer or soon will: the other hosts may have it too
+        # and fail alike right after it (unequal shapes, checked on every rank), aborting the
+        # command before this host's ranks met; the meeting still completes (then every rank
+        # raises the same error), else Aborted
+        self.ctl.host_barrier(grace=ABORT_GRACE_S)
         return self.requests.answer_obj(token)
 
     def _host_buffer(self, key, kind, dtype, count):

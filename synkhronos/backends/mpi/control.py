@@ -170,8 +170,8 @@ class HierControl:
     def barrier(self, check_after=True):
         self.local.barrier(check_after)
 
-    def host_barrier(self):
-        self.local.host_barrier()
+    def host_barrier(self, grace=0.0):
+        self.local.host_barrier(grace)
 
     def vote(self, ok, on_commit=None, meanwhile=None):
         return self.local.vote(ok, on_commit, meanwhile)

@@ -243,9 +243,10 @@ class ShmControl:
         self.step += 1
         return self.seq * _STEP + self.step
 
-    def _meet(self, field, slots):
+    def _meet(self, field, slots, grace=0.0):
         """Arrive (this rank's ``field`` := the next step's token) and wait until every
-        slot of ``slots`` has arrived too; Aborted if the command is aborted meanwhile."""
+        slot of ``slots`` has arrived too; Aborted if the command is aborted meanwhile (and
+        the meeting does not complete within ``grace`` seconds of it)."""
         if len(slots) == 1:
             self._token()            # every rank counts every step, whether it waits or not
             return
@@ -254,7 +255,7 @@ class ShmControl:
         where, others = self._meeting(field, slots)
         ctrl = self.ctrl
         self.meet(lambda: all(ctrl[i] >= token for _, i in where),
-                  lambda: [r for r, i in where if ctrl[i] < token], others)
+                  lambda: [r for r, i in where if ctrl[i] < token], others, grace=grace)
 
     def _meeting(self, field, slots):
         """``([(slot, index of its field)], the other slots)`` of a meeting (made once)."""
@@ -264,20 +265,26 @@ class ShmControl:
                                                     [r for r in slots if r != self.rank])
         return got
 
-    def meet(self, arrived, late, others=None, what="a barrier"):
+    def meet(self, arrived, late, others=None, what="a barrier", grace=0.0):
         """A meeting: the caller has written its arrival (for ``next_token``; e.g. next to
         its data, so that one cache line tells both); this wakes the ``others`` (default:
         every other slot of the command), takes that token and waits until ``arrived()``;
-        Aborted if the command is aborted meanwhile.  ``late()``: the slots not there yet
-        (for stall messages)."""
+        Aborted if the command is aborted meanwhile, once ``grace`` seconds have passed
+        without the meeting completing.  ``late()``: the slots not there yet (for stall
+        messages)."""
         self.wake(self._meeting(ARRIVE, self.sync_slots)[1] if others is None else others)
         self._token()
+        since = None
 
         def ready():
+            nonlocal since
             if arrived():
                 return True
             if self.aborted():
-                raise Aborted("another rank failed during this command")
+                now = time.monotonic()
+                since = now if since is None else since
+                if now - since >= grace:
+                    raise Aborted("another rank failed during this command")
             return False
 
         self.waiter.wait(ready, self.sleep, owed=late, what=what)
@@ -287,9 +294,10 @@ class ShmControl:
         if check_after and len(self.sync_slots) > 1 and self.aborted():
             raise Aborted("another rank failed during this command")
 
-    def host_barrier(self):
-        """The ranks of this host meet (not the rest of a multi-host session)."""
-        self._meet(HOST_ARRIVE, self.members)
+    def host_barrier(self, grace=0.0):
+        """The ranks of this host meet (not the rest of a multi-host session); ``grace``:
+        see ``meet``."""
+        self._meet(HOST_ARRIVE, self.members, grace)
 
     def vote(self, ok, on_commit=None, meanwhile=None):
         """All-or-nothing: commit (run ``on_commit`` and return True) only if every rank
