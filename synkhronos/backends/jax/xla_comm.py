@@ -15,6 +15,7 @@ wait for it with the control plane's liveness checks (a lost peer can leave XLA 
 then vote: results are returned only when every rank succeeded."""
 import numpy as np
 
+from .held import Held
 from .runtime import ensure
 from .distributed import stop_distributed
 from .transfers import is_device_array, to_device, wait_ready
@@ -91,7 +92,7 @@ class XlaComm:
                 mapped = shard_map(body, check_vma=False, **specs)
             except TypeError:                          # older JAX
                 mapped = shard_map(body, check_rep=False, **specs)
-            fn = self._fns[key] = jax.jit(mapped)
+            fn = self._fns[key] = Held(jax.jit(mapped))   # (a Ctrl-C in its dispatch lands as itself)
         return fn
 
     def _run(self, key, body, args, vote=True):
