@@ -76,15 +76,17 @@ class Device(Protocol):
         memory)."""
 
     def call_inputs(self, arrays: Sequence) -> list:
-        """A call's inputs on this device, like ``to_device`` each, but moved together and
-        without waiting: the host memory they came from stays untouched until the call's
-        ``wait``, which also waits for these transfers (no synchronisation a plain call
-        does not have)."""
+        """A call's inputs as its compiled function takes them: on this device, like
+        ``to_device`` each, but moved together and without waiting (small host arrays may
+        stay private host copies that the function's own dispatch moves, as a plain call
+        does): the host memory they came from stays untouched until the call's ``wait``,
+        which also waits for these transfers (no synchronisation a plain call does not have)."""
 
-    def wait(self, arrays: Sequence) -> None:
+    def wait(self, arrays: Sequence, reads: int = 0) -> None:
         """Block until ``arrays`` are computed, and the transfers of ``call_inputs`` since the
         last wait are done; raises here if their computation failed (a device that computes
-        asynchronously), before anything is kept or sent."""
+        asynchronously), before anything is kept or sent.  The first ``reads`` of them are
+        read next (``to_host``): a device may start copying them to the host now."""
 
     def explain(self, exc: BaseException, rank: int, what: str, inputs: Sequence) -> Optional[BaseException]:
         """A clearer exception for ``exc`` (raised by this device while rank ``rank``

@@ -151,11 +151,11 @@ class Replica:
 
     def _computed(self, compute, device, rank, inputs, n_wait=None):
         """``compute()``'s values, ready on the device (the first ``n_wait`` of them, when
-        given); its failure as the device explains it (e.g. out of device memory, naming
-        the rank and the inputs' sizes)."""
+        given; its first ``n_out`` are outputs, read next); its failure as the device
+        explains it (e.g. out of device memory, naming the rank and the inputs' sizes)."""
         try:
             outs = compute()
-            device.wait(outs if n_wait is None else outs[:n_wait])
+            device.wait(outs if n_wait is None else outs[:n_wait], reads=self.n_out)
             return outs
         except Exception as e:
             better = device.explain(e, rank, f"function {self.fid}", inputs)

@@ -38,7 +38,7 @@ import re
 import numpy as np
 
 from . import distributed, generators, runtime
-from .transfers import is_device_array, to_device, to_devices, to_host
+from .transfers import call_arrays, is_device_array, start_reads, to_device, to_host
 from ..host.device import THREAD_VARS, ThreadLimits, restore_env, usable_cores
 from ...compiling import compiling
 from ...errors import DeviceMemoryError, MasterDied
@@ -338,9 +338,9 @@ class JaxDevice:
         return to_device(arr)
 
     def call_inputs(self, arrays):
-        out = to_devices(arrays)
+        out, moved = call_arrays(arrays)
         if runtime.local.gpu:
-            self._inflight.extend(out)     # (waited for with the call's outputs)
+            self._inflight.extend(moved)   # (waited for with the call's outputs)
         return out
 
     def combine(self, mode, parts, weights=None):
@@ -353,11 +353,13 @@ class JaxDevice:
         parts = [to_device(p) for p in parts]
         return _combine_fn(mode, parts[0].dtype, len(parts))(tuple(parts), to_device(w))
 
-    def wait(self, arrays):
+    def wait(self, arrays, reads=0):
         import jax
         inflight, self._inflight = self._inflight, []
         if not arrays and not inflight:
             return
+        if reads and runtime.local.gpu:
+            start_reads(arrays[:reads])  # (queued behind the computation: its read waits no more)
         jax.block_until_ready(list(arrays) + inflight)   # an XLA error surfaces here (reading a failed
         #                                                   buffer hangs: JAX 0.12 CPU, measured)
 

@@ -8,13 +8,17 @@ as ``ValueError: Cache keys should be comparable ...`` with no cause attached: t
 dispatches inside a signal window (``synkhronos.signals.deferred``): the interrupt lands
 as itself right after the dispatch.  Only the dispatch is held (JAX computes
 asynchronously); waiting for the values stays interruptible."""
+import numpy as np
 from pytensor.link.jax.linker import JAXLinker
 
+from .transfers import put_scope
 from ...signals import deferred
 
 
 class Held:
-    """A jitted callable dispatched inside a signal window."""
+    """A jitted callable dispatched inside a signal window; host arguments (small call
+    inputs: ``transfers.call_arrays``) are transferred by the dispatch as explicit
+    transfers."""
 
     __slots__ = ("fn",)
 
@@ -23,7 +27,11 @@ class Held:
 
     def __call__(self, *args):
         with deferred():
-            return self.fn(*args)
+            scope = put_scope() if any(type(a) is np.ndarray for a in args) else None
+            if scope is None:
+                return self.fn(*args)
+            with scope():
+                return self.fn(*args)
 
 
 class HeldJAXLinker(JAXLinker):

@@ -94,6 +94,59 @@ def to_devices(arrays):
     return put.many([_host_copy(np.asarray(a), put) for a in arrays], local.sharding, dev)
 
 
+_IN_DISPATCH_MAX = {False: 256 << 10, True: 64 << 10}   # bytes, on the CPU / on a GPU
+_put_scope = []              # [JAX's explicit device-put scope, or None]
+
+
+def put_scope():
+    """JAX's explicit-transfer scope (a context manager factory), or None when this JAX
+    lacks it.  A jitted call dispatched inside it transfers its host arguments as explicit
+    transfers (a ``transfer_guard("disallow")`` allows them, as it allows ``device_put``)."""
+    if not _put_scope:
+        try:
+            from jax._src import config as jcfg
+            _put_scope.append(jcfg.explicit_device_put_scope)
+        except Exception:
+            _put_scope.append(None)
+    return _put_scope[0]
+
+
+def call_arrays(arrays):
+    """A call's inputs as its jitted function takes them: a small host array (up to
+    ``_IN_DISPATCH_MAX`` bytes) as a private host copy in JAX's dtype, which the call's
+    dispatch transfers itself (explicitly: ``held.Held``), as a plain JAX call does with
+    numpy arguments (an explicit transfer ahead of the dispatch costs ~50 µs more for two
+    small inputs on a CPU device); larger ones and device arrays as ``to_devices`` gives them.
+    Returns ``(arrays, transferred)``: ``transferred`` are the device arrays made here."""
+    put = _fast_put()
+    if put is None or put_scope() is None:
+        moved = to_devices(arrays)
+        return moved, moved
+    limit = _IN_DISPATCH_MAX[local.gpu]
+    out, big = list(arrays), []
+    for i, a in enumerate(arrays):
+        if not hasattr(a, "__array__") or _is_jax(a):
+            big.append(i)
+            continue
+        x = np.asarray(a)
+        if x.nbytes > limit:
+            big.append(i)
+            continue
+        canon = put.canon(x.dtype)
+        out[i] = x.astype(canon, order="C", copy=True)   # (private: the caller's memory may be reused)
+    if not big:
+        return out, []
+    moved = to_devices([arrays[i] for i in big])
+    for i, m in zip(big, moved):
+        out[i] = m
+    return out, moved
+
+
+def _is_jax(a):
+    import jax
+    return isinstance(a, jax.Array)
+
+
 def _host_copy(x, put):
     """What goes to the device for host array ``x``: JAX's dtype (x64 mode), and on the CPU a
     private copy (JAX's CPU client uses 64-byte aligned memory in place: small arrays get
@@ -146,6 +199,21 @@ def to_host(arr):
             return _explicit_read(arr)
         return np.asarray(arr)
     return np.asarray(arr)
+
+
+def start_reads(arrays):
+    """Start copying the small device arrays among ``arrays`` to the host (JAX's
+    ``copy_to_host_async``, queued behind their computation), so that ``to_host`` finds
+    them there: waiting for a computation and then reading its result would otherwise be
+    two synchronisations with the GPU where a plain call's read is one.  A failed
+    computation is still raised by the wait (the copy is never waited for)."""
+    import jax
+    for a in arrays:
+        if isinstance(a, jax.Array) and a.nbytes < _PINNED_MIN:
+            try:
+                a.copy_to_host_async()
+            except Exception:        # noqa: BLE001 - (the read will say what is wrong)
+                pass
 
 
 _get_scope = []              # [JAX's explicit device-get scope, or None]
