@@ -24,7 +24,7 @@ _ENTRY = 5
 WORDS = _RING + _ENTRY * HISTORY
 
 VERBS = ("", "all_reduce", "reduce", "broadcast", "all_gatherv", "gatherv", "reduce_scatter", "shapes",
-         "barrier")
+         "barrier", "in-graph program")
 WAITS = ("", "the next command", "a barrier", "a vote", "a collective between hosts", "an XLA collective",
          "the channel of this host", "an answer of the master", "the hosts' agents", "replies")
 _VERB_ID = {v: i for i, v in enumerate(VERBS)}

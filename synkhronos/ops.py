@@ -44,10 +44,12 @@ as they are.
 Backends: the ops run Python code on the host.  PyTensor's default (numba) backend calls
 them from the compiled graph through ``numba.objmode``, registered here with a cache key, so
 graphs holding them are cached on disk like any other; the C and Python backends call
-``perform``.  A JAX session (GPUs, ``mode="JAX"``) compiles such a graph as jitted stretches
-between the ops, which move device arrays through the device's collectives
-(``backends/jax/host_ops``).  Other backends that compile the whole graph into another
-framework (``mode="JAX"`` in a CPU session, PyTorch, MLX) cannot call them:
+``perform``.  A JAX session (GPUs, ``mode="JAX"``) compiles such a graph as one XLA program
+with XLA's collectives inside where every rank has its own device and the call's shapes
+agree (``backends/jax/one_program``), else as jitted stretches between the ops, which move
+device arrays through the device's collectives (``backends/jax/host_ops``).  Other backends
+that compile the whole graph into another framework (``mode="JAX"`` in a CPU session,
+PyTorch, MLX) cannot call them:
 ``synk.function`` refuses such a graph when it is made (``check_backend``)."""
 import numpy as np
 import pytensor
@@ -449,7 +451,7 @@ def check_backend(mode, device=None):
     mode or its name) or on ``device``."""
     from pytensor.compile.mode import get_mode
     if getattr(device, "runs_host_ops", False):
-        return                   # the device compiles such graphs itself (JAX: in stretches)
+        return                   # the device compiles such graphs itself (JAX: one program or stretches)
     linker = type(get_mode(mode).linker).__name__
     if linker in _UNSUPPORTED_LINKERS:
         raise TypeError(f"this graph holds synkhronos.ops collectives, which call the comm plane from "

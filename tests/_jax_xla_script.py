@@ -180,6 +180,90 @@ def scenario_kill_idle(n):
         result(error=type(e).__name__, message=str(e), seconds=time.perf_counter() - t)
 
 
+def _in_graph_session(n, path):
+    """test_ops' cases (every in-graph collective, values and gradients) in a session over
+    XLA's collectives, with a timeline at ``path``."""
+    import types
+    import test_ops as to                      # (tests/ is this script's folder)
+    synk.fork(n, mode="JAX", timeline=path)
+    rng = np.random.default_rng(7)
+    v = to.symbols()
+    v.w = pytensor.shared(rng.uniform(0.5, 1.5, to.D), name="w")
+    fs = {name: to.build(v, name) for name in to.CASES}
+    synk.distribute()
+    S = types.SimpleNamespace(n=n, v=v, fs=fs, serial={}, data=dict(
+        X=rng.standard_normal((to.N, to.D)), c=rng.standard_normal(to.D), A=rng.standard_normal((to.M, to.D)),
+        C=rng.standard_normal((to.N, to.D)), cnt=np.asarray(to.COUNTS[n], np.int64)))
+    return to, S
+
+
+def _programs_by_function(path, n):
+    """{rank: {function name: calls that ran as one XLA program}} from a timeline."""
+    events = json.loads(open(path).read())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    out = {}
+    for r in range(n):
+        calls = [e for e in spans if e["pid"] == r and e["name"].startswith("call of function ")]
+        progs = [e for e in spans if e["pid"] == r and e["name"] == "in-graph program"]
+        assert all(e["args"]["via"] == "xla" for e in progs), progs
+        got = out.setdefault(r, {})
+        for p in progs:
+            call = next(c for c in calls if c["ts"] <= p["ts"] <= c["ts"] + c["dur"])
+            name = call["name"][len("call of function "):]
+            got[name] = got.get(name, 0) + 1
+    return out
+
+
+def scenario_in_graph(n):
+    """Every case of test_ops on even shards (one XLA program: the collectives inside it)
+    and on uneven ones (jitted stretches), against the serial graph."""
+    path = os.path.join(os.environ.get("SYNK_TEST_TMP", "/tmp"), f"synk_in_graph_{os.getpid()}.json")
+    to, S = _in_graph_session(n, path)
+    rows = 2 * n * 3                           # even shards, and reduce_scatter's even blocks
+    rng = np.random.default_rng(1)
+    even = dict(X=rng.standard_normal((rows, to.D)), C=rng.standard_normal((rows, to.D)),
+                A=rng.standard_normal((rows, to.D)), cnt=np.full(n, rows // n, np.int64))
+    try:
+        for name in to.CASES:
+            to.compare(S, name, data=even)     # one program where it can
+            to.compare(S, name)                # uneven shards (7 rows): stretches
+    finally:
+        synk.close()
+    try:
+        progs = _programs_by_function(path, n)
+    finally:
+        os.unlink(path)
+    result(programs={str(r): p for r, p in progs.items()})
+
+
+def scenario_kill_in_program(n):
+    """A worker dies while the master runs an in-graph collective's XLA program."""
+    from synkhronos.backends.jax import xla_comm
+    path = os.path.join(os.environ.get("SYNK_TEST_TMP", "/tmp"), f"synk_in_graph_{os.getpid()}.json")
+    to, S = _in_graph_session(n, path)
+    even = dict(X=np.ones((2 * n, to.D)), C=np.ones((2 * n, to.D)))
+    to.compare(S, "all_reduce_sum", data=even)          # compiled and connected
+    victim = [r.pid for r in synk.session_info().ranks if r.rank == n - 1][0]
+    orig = xla_comm.XlaComm.execute
+
+    def late(self, program, args):             # the worker enters first; it dies meanwhile
+        os.kill(victim, signal.SIGKILL)
+        time.sleep(0.5)
+        return orig(self, program, args)
+    xla_comm.XlaComm.execute = late
+    t = time.perf_counter()
+    try:
+        to.compare(S, "all_reduce_sum", data=even)
+        raise AssertionError("no error")
+    except synk.WorkerDied as e:
+        result(error=type(e).__name__, message=str(e), seconds=time.perf_counter() - t)
+    finally:
+        xla_comm.XlaComm.execute = orig
+        if os.path.exists(path):
+            os.unlink(path)
+    assert synk.session_info() is None
+
+
 def scenario_master_killed(n):
     """Prints the workers' pids, then waits to be killed."""
     _, w, _, _ = build(n)

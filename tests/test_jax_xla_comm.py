@@ -3,7 +3,8 @@
 any JAX use in the master, so each scenario runs as its own master process
 (``_jax_xla_script.py``): values against numpy for every op and several dtypes (n = 2, 3),
 exact broadcast, unequal all_gather, unequal shapes refused on every rank, fallbacks to the
-host-staged path; a worker killed inside a collective, a worker dead past JAX's heartbeat
+host-staged path; in-graph collectives (``synkhronos.ops``) as one XLA program; a worker
+killed inside a collective and inside such a program, a worker dead past JAX's heartbeat
 timeout (the master is not aborted by JAX), and a killed master (its workers exit)."""
 import json
 import os
@@ -46,6 +47,32 @@ def test_worker_killed_inside_a_collective():
     res = run("kill_in_collective", 2, timeout=60)
     assert res["error"] == "WorkerDied" and "rank 1" in res["message"]
     assert res["seconds"] < 10 and time.monotonic() - t < 60
+
+
+# test_ops' cases whose graph runs as one XLA program on even shards (the others run as
+# stretches: a product's gradient, which PyTensor's JAX backend cannot trace without a
+# known length, and reduce_scatter counts given as an input, known only when it runs)
+ONE_PROGRAM = {"all_reduce_sum", "all_reduce_avg", "all_reduce_max", "all_reduce_min", "all_gather",
+               "reduce_scatter_sum", "reduce_scatter_avg", "reduce_scatter_max", "broadcast_0", "broadcast_1",
+               "reduce_sum_0", "reduce_max_0", "reduce_sum_1", "max_tie"}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_in_graph_collectives_as_one_program(n, tmp_path):
+    """Every in-graph collective's values and gradients equal the serial graph's, as one XLA
+    program per call on even shards (each rank's timeline shows it, once per case: the
+    uneven call ran as stretches) and as stretches on uneven shards."""
+    res = run("in_graph", n, timeout=300, env={"SYNK_TEST_TMP": str(tmp_path)})
+    assert sorted(res["programs"]) == [str(r) for r in range(n)]
+    for r, by_function in res["programs"].items():
+        assert by_function == {name: 1 for name in ONE_PROGRAM}, (r, by_function)
+
+
+def test_worker_killed_inside_an_in_graph_program(tmp_path):
+    t = time.monotonic()
+    res = run("kill_in_program", 2, timeout=120, env={"SYNK_TEST_TMP": str(tmp_path)})
+    assert res["error"] == "WorkerDied" and "rank 1" in res["message"]
+    assert res["seconds"] < 10 and time.monotonic() - t < 120
 
 
 def test_worker_dead_past_jax_heartbeat_timeout():

@@ -81,7 +81,10 @@ def case_reduce_scatter(op, counts):
     def serial(v, shards, n):
         S = [_s(v, xs) for xs in shards]
         Z = RED_SERIAL[op]([T.tanh(v.A * s) for s in S])
-        b = np.concatenate([[0], np.cumsum(COUNTS[n])]) if counts else split(M, n)
+        if counts:
+            b = T.concatenate([T.zeros(1, "int64"), T.cumsum(v.cnt)])
+        else:
+            b = [(r * v.A.shape[0]) // n for r in range(n + 1)]
         return sum(T.sum(Z[b[r]:b[r + 1]] ** 2) * T.sum(s) for r, s in enumerate(S)), [Z]
     return dist, serial
 
@@ -148,14 +151,15 @@ def build(v, name):
     J, extra = dist(v)
     gw, gx = pytensor.grad(J, [v.w, v.x])
     outs = [(J, "sum"), (gw, "sum"), (gx, "gather")] + extra
-    return synk.function([v.x], outs, bcast_inputs=[v.c, v.A, v.C, v.cnt], on_unused_input="ignore")
+    return synk.function([v.x], outs, bcast_inputs=[v.c, v.A, v.C, v.cnt], on_unused_input="ignore", name=name)
 
 
-def serial_fn(v, name, n, slices=1):
-    """The serial graph; with ``slices``, the sum over the slices (each rank's rows cut in
-    ``slices`` pieces, the collectives combining the ranks' k-th pieces)."""
+def serial_fn(v, name, n, slices=1, rows=N):
+    """The serial graph of ``rows`` scattered rows; with ``slices``, the sum over the slices
+    (each rank's rows cut in ``slices`` pieces, the collectives combining the ranks' k-th
+    pieces)."""
     _, ser = CASES[name]
-    b = split(N, n)
+    b = split(rows, n)
     Js, extra = [], []
     for k in range(slices):
         shards = []
@@ -220,12 +224,17 @@ def args(S, X=None):
     return (d["X"] if X is None else X, d["c"], d["A"], d["C"], d["cnt"])
 
 
-def compare(S, name, X=None, **call):
-    key = (name, call.get("num_slices", 1))
+def compare(S, name, X=None, data=None, **call):
+    """``S.fs[name]`` against its serial graph on ``S.data`` (``X``, ``data``: other values)."""
+    d = dict(S.data, **(data or {}))
+    if X is not None:
+        d["X"] = X
+    given = (d["X"], d["c"], d["A"], d["C"], d["cnt"])
+    key = (name, call.get("num_slices", 1), len(d["X"]))
     if key not in S.serial:
-        S.serial[key] = serial_fn(S.v, name, S.n, call.get("num_slices", 1))
-    got = S.fs[name](*args(S, X), **call)
-    want = S.serial[key](*args(S, X))
+        S.serial[key] = serial_fn(S.v, name, S.n, call.get("num_slices", 1), rows=len(d["X"]))
+    got = S.fs[name](*given, **call)
+    want = S.serial[key](*given)
     labels = ["J", "dJ/dw", "dJ/dx", "value"][:3 if "num_slices" in call else 4]   # (values: per slice)
     for g, e, what in zip(got, want, labels):
         np.testing.assert_allclose(g, e, rtol=1e-9, atol=1e-9, err_msg=f"{name} n={S.n}: {what}")

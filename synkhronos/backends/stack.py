@@ -26,6 +26,15 @@ class CommStack:
             self.flight.collective(verb, nbytes, via=impl.name)
         return impl
 
+    def find(self, name):
+        """The implementation called ``name``, or None."""
+        return next((c for c in self.impls if c.name == name), None)
+
+    def record(self, verb, nbytes=0, via=None):
+        """A collective that runs inside compiled code (no ``pick``), for the flight recorder."""
+        if self.flight is not None:
+            self.flight.collective(verb, nbytes, via=via)
+
     def setup(self, n_keys, names=None):
         for c in self.impls:
             c.setup(n_keys, names)

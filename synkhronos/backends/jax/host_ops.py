@@ -9,7 +9,9 @@ shape, as any JAX function), and the host ops run between stretches, in the same
 every rank.  Their values stay JAX arrays: the comm plane moves device arrays itself (XLA's
 collectives where it can, through the host where it must), and a host result (a NumPy
 array) goes to the device once, explicitly.  On JAX's CPU device the host ops get NumPy
-views of the arrays and use the host's collectives directly.
+views of the arrays and use the host's collectives directly.  Where XLA's collectives
+serve the session, a call whose shapes agree on every rank runs the graph as one XLA
+program instead (``one_program``; the stretches serve the other calls).
 
 A host op whose output is a small integer fixed for the rank (``static_value = True``:
 ``this_rank()``, ``n_ranks()``) enters the next stretches as a static argument, so that a
@@ -59,6 +61,7 @@ class StretchedJAXLinker(JAXLinker):
 
     def fgraph_convert(self, fgraph, input_storage, storage_map, **kwargs):
         from pytensor.link.jax.dispatch import jax_funcify
+        self.convert_kwargs = dict(kwargs, input_storage=input_storage, storage_map=storage_map)
         for node in fgraph.apply_nodes:          # (what PyTensor's own conversion asks of every op)
             cls = type(node.op)
             if runs_on_host(node) and cls not in _eager_registered:
@@ -68,8 +71,10 @@ class StretchedJAXLinker(JAXLinker):
 
     def jit_compile(self, fn):
         from . import runtime
+        from .one_program import OneProgram
         runtime.ensure()
-        return Stretches(self.fgraph, on_host=not runtime.local.gpu)
+        stretches = Stretches(self.fgraph, on_host=not runtime.local.gpu)
+        return OneProgram(self.fgraph, stretches, getattr(self, "convert_kwargs", None))
 
 
 class Stretches:

@@ -42,22 +42,17 @@ class XlaComm:
     def accepts(self, verb, dtype, op=None, placement="host"):
         if placement != "device" or verb not in self.verbs or dtype is None:
             return False
-        dt = np.dtype(dtype)
-        if dt.kind not in _KINDS or dt.itemsize > 8 or (dt.itemsize == 8 and not _x64()):
-            return False          # (without JAX's x64 mode, 64-bit values are not 64-bit on the device)
-        if verb == "all_reduce":
-            if op not in red.OPS:
-                return False
-            acc = red.accumulator(op, dt)
-            if acc.itemsize == 8 and not _x64():
-                return False      # the accumulator (float64 means of ints) needs JAX's x64 mode
-        return True
+        if verb == "all_reduce" and op not in red.OPS:
+            return False
+        return serves(dtype, op if verb == "all_reduce" else None)
 
     def setup(self, n_keys, names=None):
         self.names = dict(names or {})
 
     # ---- machinery -----------------------------------------------------------------------------
-    def _mesh_of(self):
+    def mesh(self):
+        """``(mesh, sharding)``: the ranks' devices as a one-axis mesh ``"r"`` in rank order,
+        and the sharding of an array whose leading axis is split over it."""
         if self._mesh is None:
             import jax
             from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -70,10 +65,10 @@ class XlaComm:
             self._mesh = (mesh, NamedSharding(mesh, P("r")))
         return self._mesh
 
-    def _global(self, x):
+    def shard(self, x):
         """This rank's array as its shard (leading axis of length 1) of the global array."""
         import jax
-        mesh, sharding = self._mesh_of()
+        _, sharding = self.mesh()
         x = to_device(x)
         return jax.make_array_from_single_device_arrays((self.n,) + x.shape, sharding, [x.reshape((1,) + x.shape)])
 
@@ -81,40 +76,44 @@ class XlaComm:
         fn = self._fns.get(key)
         if fn is None:
             import jax
-            from jax.sharding import PartitionSpec as P
-            try:
-                from jax import shard_map
-            except ImportError:                        # JAX < 0.7
-                from jax.experimental.shard_map import shard_map
-            mesh, _ = self._mesh_of()
-            specs = dict(mesh=mesh, in_specs=(P("r"),) * key[1], out_specs=(P(),) * len(key[2]))
-            try:      # results are replicated by construction (a gather's static slices are too)
-                mapped = shard_map(body, check_vma=False, **specs)
-            except TypeError:                          # older JAX
-                mapped = shard_map(body, check_rep=False, **specs)
+            mapped = over_ranks(body, self.mesh()[0], key[1], len(key[2]), sharded_out=False)
             fn = self._fns[key] = Held(jax.jit(mapped))   # (a Ctrl-C in its dispatch lands as itself)
         return fn
 
-    def _run(self, key, body, args, vote=True):
-        """Run the program on every rank, wait for it (liveness checked), vote (unless the
-        caller does: ``all_gatherv``, as with the host implementation); returns this rank's
-        results (device arrays)."""
+    def execute(self, program, args):
+        """Run ``program`` (a jitted program over the ranks' mesh, the same on every rank) on
+        this rank's shards ``args`` and wait for it with the control plane's liveness checks
+        (a lost peer can leave XLA waiting); its outputs.  When it fails on a rank, XLA's
+        collectives are not trusted again in this session (other ranks may still wait in it)."""
         if self.broken:
             raise RuntimeError(f"synkhronos: an earlier XLA collective failed ({self.broken}) and may still be "
                                "pending on other ranks; close the session (synk.close()) and fork again")
-        ok, err, outs = True, None, None
         try:
-            outs = self._program(key, body)(*args)
+            outs = program(*args)
             wait_ready(outs, lambda ready, sleep: self.sync.waiter.wait(
                 ready, sleep, what="an XLA collective"), self.sync.aborted)
-            outs = [o.addressable_data(0) for o in outs]
+            return outs
         except (RankGone, MasterDied, StallTimeout):
             raise                    # the control plane's own ways out (the session ends)
         except Aborted:
             self.broken = "another rank failed during one"
             raise
-        except Exception as e:       # this rank failed: every rank keeps its values
+        except Exception as e:       # this rank failed
             self.broken = f"{type(e).__name__} on rank {self.rank}"
+            raise
+
+    def _run(self, key, body, args, vote=True):
+        """Run the program on every rank, wait for it, vote (unless the caller does:
+        ``all_gatherv``, as with the host implementation); returns this rank's results
+        (device arrays)."""
+        if self.broken:
+            self.execute(None, ())                     # (raises why)
+        ok, err, outs = True, None, None
+        try:
+            outs = [o.addressable_data(0) for o in self.execute(self._program(key, body), args)]
+        except (RankGone, MasterDied, StallTimeout, Aborted):
+            raise
+        except Exception as e:       # this rank failed: every rank keeps its values
             if not vote:
                 raise
             ok, err = False, e
@@ -145,32 +144,8 @@ class XlaComm:
         n = self.n
 
         def body(*xs):
-            import jax
-            import jax.numpy as jnp
-            outs = []
-            for x in xs:
-                dt = x.dtype
-                acc = jnp.dtype(red.accumulator(op, np.dtype(dt)))
-                y = x[0].astype(acc)
-                if op in ("sum", "avg"):
-                    y = jax.lax.psum(y, "r")
-                elif op == "max":
-                    y = jax.lax.pmax(y, "r")
-                elif op == "min":
-                    y = jax.lax.pmin(y, "r")
-                else:                                           # prod: no product all-reduce in XLA
-                    g = jax.lax.all_gather(y, "r")
-                    y = g[0]
-                    for i in range(1, n):
-                        y = y * g[i]
-                if op == "avg":              # as reductions.finish
-                    if np.dtype(dt).kind in "iu":
-                        y = jnp.rint(y / jnp.asarray(n, acc))
-                    else:
-                        y = y * jnp.asarray(1.0 / n, acc)
-                outs.append(y.astype(dt))
-            return tuple(outs)
-        return self._run(("all_reduce", len(arrays), sig, op), body, [self._global(a) for a in arrays])
+            return tuple(reduced(x[0], op, n) for x in xs)
+        return self._run(("all_reduce", len(arrays), sig, op), body, [self.shard(a) for a in arrays])
 
     def broadcast(self, items, root, fence=True):
         """``items``: ``(key, array, dtype)``, the array given on the root only.  Exact bits:
@@ -191,18 +166,8 @@ class XlaComm:
         sig = tuple((tuple(s), str(dt)) for s, dt in zip(root_shapes, dtypes))
 
         def body(*xs):
-            import jax
-            import jax.numpy as jnp
-            outs = []
-            for x in xs:
-                dt = x.dtype
-                bits = jnp.dtype(f"uint{8 * np.dtype(dt).itemsize}")
-                u = jax.lax.bitcast_convert_type(x[0], bits)
-                is_root = jax.lax.axis_index("r") == root
-                u = jax.lax.psum(jnp.where(is_root, u, jnp.zeros_like(u)), "r")
-                outs.append(jax.lax.bitcast_convert_type(u, dt))
-            return tuple(outs)
-        return self._run(("broadcast", len(arrays), sig, root), body, [self._global(a) for a in arrays])
+            return tuple(broadcasted(x[0], root) for x in xs)
+        return self._run(("broadcast", len(arrays), sig, root), body, [self.shard(a) for a in arrays])
 
     def all_gatherv(self, items, fence=True):
         """Every rank gets the concatenation along axis 0 (rank order): arrays are padded to
@@ -229,7 +194,7 @@ class XlaComm:
                 g = jax.lax.all_gather(x[0], "r")          # (n, longest, ...)
                 outs.append(jnp.concatenate([g[i, :r[i]] for i in range(len(r))], axis=0))
             return tuple(outs)
-        return self._run(("all_gatherv", len(arrays), sig), body, [self._global(p) for p in padded], vote=False)
+        return self._run(("all_gatherv", len(arrays), sig), body, [self.shard(p) for p in padded], vote=False)
 
     def _check_gather(self, key, shapes):
         if len(shapes[0]) == 0 or len({s[1:] for s in shapes}) > 1:
@@ -254,6 +219,80 @@ class XlaComm:
 
     def close(self):
         stop_distributed()
+
+
+# ---- programs over the ranks' mesh (also inside whole graphs: ``one_program``) -----------------
+
+def over_ranks(body, mesh, n_in, n_out, sharded_out):
+    """``body`` mapped over the mesh's axis ``"r"``: each input is split along its leading
+    axis (one block per rank); each output too when ``sharded_out``, else replicated (the
+    same on every rank by construction: XLA does not check it)."""
+    from jax.sharding import PartitionSpec as P
+    try:
+        from jax import shard_map
+    except ImportError:                        # JAX < 0.7
+        from jax.experimental.shard_map import shard_map
+    out = P("r") if sharded_out else P()
+    specs = dict(mesh=mesh, in_specs=(P("r"),) * n_in, out_specs=(out,) * n_out)
+    try:
+        return shard_map(body, check_vma=False, **specs)
+    except TypeError:                          # older JAX
+        return shard_map(body, check_rep=False, **specs)
+
+
+def reduced(x, op, n):
+    """Inside a program over the ranks: the reduction ``op`` of every rank's ``x``, in
+    ``x``'s dtype, accumulated as ``reductions`` does (``avg``: the sum over n, rounded for
+    integers)."""
+    import jax
+    import jax.numpy as jnp
+    dt = x.dtype
+    acc = jnp.dtype(red.accumulator(op, np.dtype(dt)))
+    y = x.astype(acc)
+    if op in ("sum", "avg"):
+        y = jax.lax.psum(y, "r")
+    elif op == "max":
+        y = jax.lax.pmax(y, "r")
+    elif op == "min":
+        y = jax.lax.pmin(y, "r")
+    else:                                           # prod: no product all-reduce in XLA
+        g = jax.lax.all_gather(y, "r")
+        y = g[0]
+        for i in range(1, n):
+            y = y * g[i]
+    if op == "avg":              # as reductions.finish
+        if np.dtype(dt).kind in "iu":
+            y = jnp.rint(y / jnp.asarray(n, acc))
+        else:
+            y = y * jnp.asarray(1.0 / n, acc)
+    return y.astype(dt)
+
+
+def broadcasted(x, root):
+    """Inside a program over the ranks: the root's ``x``, bit for bit (its bits as unsigned
+    integers, summed with zeros from the other ranks)."""
+    import jax
+    import jax.numpy as jnp
+    dt = x.dtype
+    bits = jnp.dtype(f"uint{8 * np.dtype(dt).itemsize}")
+    u = jax.lax.bitcast_convert_type(x, bits)
+    is_root = jax.lax.axis_index("r") == root
+    u = jax.lax.psum(jnp.where(is_root, u, jnp.zeros_like(u)), "r")
+    return jax.lax.bitcast_convert_type(u, dt)
+
+
+def serves(dtype, op=None):
+    """Whether XLA's collectives take values of ``dtype`` (and reduction ``op``): numeric,
+    64-bit ones only in JAX's x64 mode (the accumulator of ``op`` too)."""
+    dt = np.dtype(dtype)
+    if dt.kind not in _KINDS or dt.itemsize > 8 or (dt.itemsize == 8 and not _x64()):
+        return False          # (without JAX's x64 mode, 64-bit values are not 64-bit on the device)
+    if op is not None:
+        if op not in red.OPS:
+            return False
+        if red.accumulator(op, dt).itemsize == 8 and not _x64():
+            return False      # the accumulator (float64 means of ints) needs JAX's x64 mode
+    return True
 
 
 def _x64():
