@@ -45,6 +45,9 @@ class OneProgram:
         self.kwargs = dict(convert_kwargs or {})
         self.possible = all(isinstance(v.type, TensorType) for v in fgraph.inputs)
         self.programs = {}          # (n, signature) -> compiled program, or None (stretches)
+        # each rank's block of a global array along axis 0: an array's own first axis, a
+        # new one for scalars
+        self.scalar_out = [getattr(v.type, "ndim", 0) == 0 for v in fgraph.outputs]
 
     def __call__(self, *args):
         r = _rank.current()
@@ -63,8 +66,9 @@ class OneProgram:
         if program is None:
             return self.stretches(*args)
         r.comm.record("in-graph program", sum(int(getattr(a, "nbytes", 0)) for a in args), via="xla")
-        outs = xla.execute(program, [xla.shard(a) for a in args])
-        return [o.addressable_data(0)[0] for o in outs]
+        outs = xla.execute(program, [xla.shard(a, np.ndim(a) == 0) for a in args])
+        return [o.addressable_data(0).reshape(()) if scalar else o.addressable_data(0)
+                for o, scalar in zip(outs, self.scalar_out)]
 
     def _compile(self, xla, n, args):
         """The compiled program for these inputs, or None when the graph cannot be one.
@@ -78,12 +82,14 @@ class OneProgram:
             fn = self._function(n)
             n_out = len(self.fgraph.outputs)
 
+            scalar_in = [np.ndim(a) == 0 for a in args]
+
             def body(*xs):
                 import jax.numpy as jnp
-                outs = fn(*[x[0] for x in xs])
-                return tuple(jnp.asarray(o)[None] for o in outs)
+                outs = fn(*[x[0] if s else x for x, s in zip(xs, scalar_in)])
+                return tuple(jnp.asarray(o)[None] if s else jnp.asarray(o) for o, s in zip(outs, self.scalar_out))
             mapped = over_ranks(body, xla.mesh()[0], len(args), n_out, sharded_out=True)
-            return jax.jit(mapped).lower(*[xla.shard(a) for a in args]).compile()
+            return jax.jit(mapped).lower(*[xla.shard(a, s) for a, s in zip(args, scalar_in)]).compile()
         except Exception:            # noqa: BLE001 - e.g. a slice bounded by this_rank(): stretches
             return None
 

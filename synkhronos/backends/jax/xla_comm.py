@@ -65,12 +65,17 @@ class XlaComm:
             self._mesh = (mesh, NamedSharding(mesh, P("r")))
         return self._mesh
 
-    def shard(self, x):
-        """This rank's array as its shard (leading axis of length 1) of the global array."""
+    def shard(self, x, new_axis=True):
+        """This rank's array as its block of a global array split along axis 0 over the
+        ranks: a new leading axis of length 1 (``new_axis``), else along ``x``'s own first
+        axis (every rank's ``x`` has the same shape)."""
         import jax
         _, sharding = self.mesh()
         x = to_device(x)
-        return jax.make_array_from_single_device_arrays((self.n,) + x.shape, sharding, [x.reshape((1,) + x.shape)])
+        if new_axis:
+            return jax.make_array_from_single_device_arrays((self.n,) + x.shape, sharding,
+                                                            [x.reshape((1,) + x.shape)])
+        return jax.make_array_from_single_device_arrays((self.n * x.shape[0],) + x.shape[1:], sharding, [x])
 
     def _program(self, key, body):
         fn = self._fns.get(key)
