@@ -264,6 +264,55 @@ def scenario_kill_in_program(n):
     assert synk.session_info() is None
 
 
+def scenario_program_storm(n):
+    """Ctrl-C at random instants (every 0.5-20 ms, for STORM_S seconds) while a training
+    step whose gradient holds an in-graph all_reduce runs as one XLA program: each call
+    ends done or interrupted, never hung; the ranks' values stay equal (all or nothing)."""
+    import random
+    from synkhronos import ops
+    synk.fork(n, mode="JAX")
+    x = T.matrix("x")
+    w = pytensor.shared(np.ones(64), name="w")
+    h = ops.all_reduce(T.tanh(x * w).sum(axis=0), "sum")
+    f = synk.function([x], (h.sum(), None), updates=[(w, w + 0.001 * h)])
+    synk.distribute()
+    E = np.ones((2 * n, 64))
+    f(E)
+    stop = threading.Event()
+
+    def storm():
+        while not stop.is_set():
+            time.sleep(random.uniform(0.0005, 0.02))
+            os.kill(os.getpid(), signal.SIGINT)
+    t = threading.Thread(target=storm, daemon=True)
+    t.start()
+    outcomes = {"done": 0, "interrupted": 0, "outside": 0}
+    end = time.monotonic() + float(os.environ.get("STORM_S", 10))
+    while time.monotonic() < end:
+        try:
+            try:
+                f(E)
+                outcomes["done"] += 1
+            except KeyboardInterrupt:
+                outcomes["interrupted"] += 1
+        except KeyboardInterrupt:          # (between calls: the script's own code)
+            outcomes["outside"] += 1
+    stop.set()
+    while True:
+        try:
+            t.join()
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            time.sleep(0.1)                 # (a last deferred interrupt lands here)
+            break
+        except KeyboardInterrupt:
+            pass
+    values = [synk.get_value(r, w) for r in range(n)]
+    f(E)                                    # the session goes on
+    prefix = synk.session_info().resources["shm_prefix"]
+    synk.close()
+    result(outcomes=outcomes, equal=all(np.array_equal(values[0], v) for v in values), prefix=prefix)
+
+
 def scenario_master_killed(n):
     """Prints the workers' pids, then waits to be killed."""
     _, w, _, _ = build(n)

@@ -3,7 +3,8 @@
 any JAX use in the master, so each scenario runs as its own master process
 (``_jax_xla_script.py``): values against numpy for every op and several dtypes (n = 2, 3),
 exact broadcast, unequal all_gather, unequal shapes refused on every rank, fallbacks to the
-host-staged path; in-graph collectives (``synkhronos.ops``) as one XLA program; a worker
+host-staged path; in-graph collectives (``synkhronos.ops``) as one XLA program (and a
+Ctrl-C storm over them); a worker
 killed inside a collective and inside such a program, a worker dead past JAX's heartbeat
 timeout (the master is not aborted by JAX), and a killed master (its workers exit)."""
 import json
@@ -73,6 +74,17 @@ def test_worker_killed_inside_an_in_graph_program(tmp_path):
     res = run("kill_in_program", 2, timeout=120, env={"SYNK_TEST_TMP": str(tmp_path)})
     assert res["error"] == "WorkerDied" and "rank 1" in res["message"]
     assert res["seconds"] < 10 and time.monotonic() - t < 120
+
+
+def test_ctrl_c_storm_during_in_graph_programs():
+    """A Ctrl-C after the ranks met and before this rank's dispatch would leave the others
+    inside XLA's collective (on a CPU device, inside the dispatch, where nothing else is
+    watched): every call ends, done or interrupted, and the session stays whole."""
+    res = run("program_storm", 2, timeout=180, env={"STORM_S": "8"})
+    out = res["outcomes"]
+    assert out["done"] > 20 and out["interrupted"] > 20, out
+    assert res["equal"]
+    assert tu.shm_entries(res["prefix"]) == []
 
 
 def test_worker_dead_past_jax_heartbeat_timeout():

@@ -52,31 +52,32 @@ class OneProgram:
     def __call__(self, *args):
         r = _rank.current()
         xla = r.comm.find("xla") if self.possible and r is not None and r.n > 1 else None
-        if xla is None:
-            return self.stretches(*args)
-        per = xla.shapes([tuple(np.shape(a)) for a in args])      # (every rank, every call)
-        if any(len(set(s)) > 1 for s in per):
-            return self.stretches(*args)
-        key = (r.n, tuple((tuple(np.shape(a)), str(getattr(a, "dtype", type(a).__name__))) for a in args))
+        if xla is not None:
+            with deferred():        # (as XLA's collectives: xla_comm.uninterrupted)
+                program = self._agreed(xla, r.n, args)
+                if program is not None:
+                    r.comm.record("in-graph program", sum(int(getattr(a, "nbytes", 0)) for a in args), via="xla")
+                    outs = xla.execute(program, [xla.shard(a, np.ndim(a) == 0) for a in args])
+                    return [o.addressable_data(0).reshape(()) if scalar else o.addressable_data(0)
+                            for o, scalar in zip(outs, self.scalar_out)]
+        return self.stretches(*args)
+
+    def _agreed(self, xla, n, args):
+        """The program every rank runs for these inputs, or None (stretches): the ranks
+        meet on their shapes (every call), and on whether they compiled it (once)."""
+        per, usable = xla.meet([tuple(np.shape(a)) for a in args])
+        if not usable or any(len(set(s)) > 1 for s in per):
+            return None
+        key = (n, tuple((tuple(np.shape(a)), str(getattr(a, "dtype", type(a).__name__))) for a in args))
         if key not in self.programs:
-            program = self._compile(xla, r.n, args)
+            program = self._compiled(xla, n, args)
             every = xla.shapes([(int(program is not None),)])[0]   # (one rank's failure: none uses it)
             self.programs[key] = program if all(s == (1,) for s in every) else None
-        program = self.programs[key]
-        if program is None:
-            return self.stretches(*args)
-        r.comm.record("in-graph program", sum(int(getattr(a, "nbytes", 0)) for a in args), via="xla")
-        outs = xla.execute(program, [xla.shard(a, np.ndim(a) == 0) for a in args])
-        return [o.addressable_data(0).reshape(()) if scalar else o.addressable_data(0)
-                for o, scalar in zip(outs, self.scalar_out)]
-
-    def _compile(self, xla, n, args):
-        """The compiled program for these inputs, or None when the graph cannot be one.
-        Inside a signal window: an interrupt lands after it, never as a failed trace."""
-        with deferred():
-            return self._compiled(xla, n, args)
+        return self.programs[key]
 
     def _compiled(self, xla, n, args):
+        """The compiled program for these inputs, or None when the graph cannot be one
+        (inside the caller's signal window: an interrupt never shows as a failed trace)."""
         import jax
         try:
             fn = self._function(n)

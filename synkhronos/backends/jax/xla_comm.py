@@ -13,6 +13,8 @@ Ranks first exchange their shapes through the host (unequal shapes raise ``Value
 every rank alike, before XLA is involved: XLA would hang on them), then run the program and
 wait for it with the control plane's liveness checks (a lost peer can leave XLA waiting),
 then vote: results are returned only when every rank succeeded."""
+import functools
+
 import numpy as np
 
 from .held import Held
@@ -22,8 +24,22 @@ from .transfers import is_device_array, to_device, wait_ready
 from ... import reductions as red
 from ...errors import Aborted, MasterDied, StallTimeout
 from ...launcher import RankGone
+from ...signals import deferred
 
 _KINDS = "fiu"          # floats, signed and unsigned ints (bool and complex: host-staged)
+
+
+def uninterrupted(verb):
+    """``verb`` whole in a signal window, from the ranks' meeting on their shapes to the
+    end of its program: an interrupt after the meeting and before the dispatch would leave
+    the other ranks inside XLA's collective, waiting for this one (on a CPU device XLA
+    runs the program inside the dispatch, where nothing else is looked at).  The waits
+    still watch for lost ranks; an interrupt lands when the verb ends."""
+    @functools.wraps(verb)
+    def whole(*args, **kwargs):
+        with deferred():
+            return verb(*args, **kwargs)
+    return whole
 
 
 class XlaComm:
@@ -129,8 +145,20 @@ class XlaComm:
             raise Aborted("another rank failed during this collective")
         return outs
 
-    def _shapes(self, arrays):
-        return self.host.shapes([tuple(np.shape(a)) for a in arrays])
+    def meet(self, shapes):
+        """The ranks' meeting before a program: every rank's ``shapes`` (by position, by
+        rank), and whether XLA's collectives are usable on every rank.  A rank whose earlier
+        XLA collective failed (``broken``) must not leave the others alone inside the next
+        program: it says so here, and no rank dispatches."""
+        per = self.host.shapes(list(shapes) + [(int(self.broken is None),)])
+        return per[:-1], all(s == (1,) for s in per[-1])
+
+    def _shapes(self, arrays, shapes=None):
+        per, usable = self.meet([tuple(np.shape(a)) for a in arrays] if shapes is None else shapes)
+        if not usable:
+            raise RuntimeError("synkhronos: an earlier XLA collective failed on a rank and may still be pending "
+                               "on others; close the session (synk.close()) and fork again")
+        return per
 
     def _equal_shapes(self, keys, per, what):
         for key, shapes in zip(keys, per):
@@ -139,6 +167,7 @@ class XlaComm:
                 raise ValueError(f"{what}{of} needs the same shape on every rank, got {shapes} (by rank)")
 
     # ---- verbs ---------------------------------------------------------------------------------
+    @uninterrupted
     def all_reduce(self, items, op, fence=True, scratch=False, owned=False):   # (device arrays: new)
         if self.n == 1:
             return [a for _, a in items]
@@ -152,6 +181,7 @@ class XlaComm:
             return tuple(reduced(x[0], op, n) for x in xs)
         return self._run(("all_reduce", len(arrays), sig, op), body, [self.shard(a) for a in arrays])
 
+    @uninterrupted
     def broadcast(self, items, root, fence=True):
         """``items``: ``(key, array, dtype)``, the array given on the root only.  Exact bits:
         the root's value as unsigned integers, summed with zeros from the other ranks."""
@@ -163,7 +193,7 @@ class XlaComm:
                       for (_, a, _), dt in zip(items, dtypes)]
             shapes = self._shapes(arrays)
         else:
-            shapes = self.host.shapes([()] * len(items))
+            shapes = self._shapes(None, [()] * len(items))
             arrays = None
         root_shapes = [s[root] for s in shapes]
         if arrays is None:
@@ -174,6 +204,7 @@ class XlaComm:
             return tuple(broadcasted(x[0], root) for x in xs)
         return self._run(("broadcast", len(arrays), sig, root), body, [self.shard(a) for a in arrays])
 
+    @uninterrupted
     def all_gatherv(self, items, fence=True):
         """Every rank gets the concatenation along axis 0 (rank order): arrays are padded to
         the longest, gathered, and the padding dropped."""
