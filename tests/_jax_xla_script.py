@@ -236,8 +236,9 @@ def scenario_in_graph(n):
     result(programs={str(r): p for r, p in progs.items()})
 
 
-def scenario_kill_in_program(n):
-    """A worker dies while the master runs an in-graph collective's XLA program."""
+def _fault_in_program(n, sig, error):
+    """The last rank gets ``sig`` while the master runs an in-graph collective's XLA program
+    (the worker entered it first): ``error`` ends the call, the session is closed."""
     from synkhronos.backends.jax import xla_comm
     path = os.path.join(os.environ.get("SYNK_TEST_TMP", "/tmp"), f"synk_in_graph_{os.getpid()}.json")
     to, S = _in_graph_session(n, path)
@@ -246,8 +247,8 @@ def scenario_kill_in_program(n):
     victim = [r.pid for r in synk.session_info().ranks if r.rank == n - 1][0]
     orig = xla_comm.XlaComm.execute
 
-    def late(self, program, args):             # the worker enters first; it dies meanwhile
-        os.kill(victim, signal.SIGKILL)
+    def late(self, program, args):
+        os.kill(victim, sig)
         time.sleep(0.5)
         return orig(self, program, args)
     xla_comm.XlaComm.execute = late
@@ -255,13 +256,24 @@ def scenario_kill_in_program(n):
     try:
         to.compare(S, "all_reduce_sum", data=even)
         raise AssertionError("no error")
-    except synk.WorkerDied as e:
-        result(error=type(e).__name__, message=str(e), seconds=time.perf_counter() - t)
+    except error as e:
+        result(error=type(e).__name__, message=str(e), seconds=time.perf_counter() - t, victim=victim)
     finally:
         xla_comm.XlaComm.execute = orig
         if os.path.exists(path):
             os.unlink(path)
     assert synk.session_info() is None
+
+
+def scenario_kill_in_program(n):
+    """A worker dies while the master runs an in-graph collective's XLA program."""
+    _fault_in_program(n, signal.SIGKILL, synk.WorkerDied)
+
+
+def scenario_stop_in_program(n):
+    """A worker freezes (SIGSTOP) inside an in-graph collective's XLA program: on CPU ranks
+    XLA runs it inside the dispatch, which the master therefore leaves to a thread."""
+    _fault_in_program(n, signal.SIGSTOP, synk.WorkerStopped)
 
 
 def scenario_program_storm(n):
@@ -284,28 +296,31 @@ def scenario_program_storm(n):
         while not stop.is_set():
             time.sleep(random.uniform(0.0005, 0.02))
             os.kill(os.getpid(), signal.SIGINT)
+    outcomes = {"done": 0, "interrupted": 0, "outside": 0}
+    in_call = [False]
+
+    def on_sigint(signum, frame):          # (synkhronos defers it, then calls it)
+        if in_call[0]:
+            raise KeyboardInterrupt
+        outcomes["outside"] += 1           # the script's own code between calls is left alone
+    signal.signal(signal.SIGINT, on_sigint)
     t = threading.Thread(target=storm, daemon=True)
     t.start()
-    outcomes = {"done": 0, "interrupted": 0, "outside": 0}
     end = time.monotonic() + float(os.environ.get("STORM_S", 10))
     while time.monotonic() < end:
         try:
             try:
+                in_call[0] = True
                 f(E)
+                in_call[0] = False
                 outcomes["done"] += 1
             except KeyboardInterrupt:
+                in_call[0] = False
                 outcomes["interrupted"] += 1
-        except KeyboardInterrupt:          # (between calls: the script's own code)
-            outcomes["outside"] += 1
+        except KeyboardInterrupt:          # (a second interrupt within a few bytecodes)
+            in_call[0] = False
     stop.set()
-    while True:
-        try:
-            t.join()
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            time.sleep(0.1)                 # (a last deferred interrupt lands here)
-            break
-        except KeyboardInterrupt:
-            pass
+    t.join()
     values = [synk.get_value(r, w) for r in range(n)]
     f(E)                                    # the session goes on
     prefix = synk.session_info().resources["shm_prefix"]

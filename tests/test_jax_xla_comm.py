@@ -4,9 +4,9 @@ any JAX use in the master, so each scenario runs as its own master process
 (``_jax_xla_script.py``): values against numpy for every op and several dtypes (n = 2, 3),
 exact broadcast, unequal all_gather, unequal shapes refused on every rank, fallbacks to the
 host-staged path; in-graph collectives (``synkhronos.ops``) as one XLA program (and a
-Ctrl-C storm over them); a worker
-killed inside a collective and inside such a program, a worker dead past JAX's heartbeat
-timeout (the master is not aborted by JAX), and a killed master (its workers exit)."""
+Ctrl-C storm over them); a worker killed inside a collective and inside such a program, one
+frozen inside such a program, a worker dead past JAX's heartbeat timeout (the master is
+not aborted by JAX), and a killed master (its workers exit)."""
 import json
 import os
 import signal
@@ -74,6 +74,14 @@ def test_worker_killed_inside_an_in_graph_program(tmp_path):
     res = run("kill_in_program", 2, timeout=120, env={"SYNK_TEST_TMP": str(tmp_path)})
     assert res["error"] == "WorkerDied" and "rank 1" in res["message"]
     assert res["seconds"] < 10 and time.monotonic() - t < 120
+
+
+def test_worker_frozen_inside_an_in_graph_program(tmp_path):
+    t = time.monotonic()
+    res = run("stop_in_program", 2, timeout=120, env={"SYNK_TEST_TMP": str(tmp_path)})
+    assert res["error"] == "WorkerStopped" and "rank 1" in res["message"]
+    assert res["seconds"] < 15 and time.monotonic() - t < 120
+    assert not tu.pid_running(res["victim"])
 
 
 def test_ctrl_c_storm_during_in_graph_programs():

@@ -284,7 +284,30 @@ _DONE_GRACE_S = 0.05         # how long an aborted wait still looks for arrays t
 def wait_ready(arrays, waiter_wait, aborted=None):
     """Wait until ``arrays`` are computed, through ``waiter_wait(ready, sleep)`` (the control
     plane's waiter: liveness checks, stall warnings, timeout); raises their error, if any."""
-    box = _Completion.submit(arrays)
+    _wait_box(_Completion.submit(arrays), waiter_wait, aborted)
+
+
+def run_ready(dispatch, waiter_wait, aborted=None):
+    """``dispatch()``'s arrays, computed: dispatched and waited for by a thread of its own
+    while this one waits as ``wait_ready`` does.  For programs that a device runs inside
+    their dispatch (XLA's CPU client runs programs with collectives so): a peer that stops
+    inside a collective would otherwise hold this thread where no liveness check runs.
+    The thread of a program that never ends ends with the session (its peers' sockets close)."""
+    box = {"event": threading.Event()}
+
+    def run():
+        try:
+            import jax
+            box["arrays"] = jax.block_until_ready(dispatch())
+        except BaseException as e:     # noqa: BLE001 - handed to the waiting caller
+            box["error"] = e
+        box["event"].set()
+    threading.Thread(target=run, name="synk-xla-program", daemon=True).start()
+    _wait_box(box, waiter_wait, aborted)
+    return box["arrays"]
+
+
+def _wait_box(box, waiter_wait, aborted):
     ev = box["event"]
 
     def ready():

@@ -18,9 +18,9 @@ import functools
 import numpy as np
 
 from .held import Held
-from .runtime import ensure
+from .runtime import ensure, local
 from .distributed import stop_distributed
-from .transfers import is_device_array, to_device, wait_ready
+from .transfers import is_device_array, run_ready, to_device, wait_ready
 from ... import reductions as red
 from ...errors import Aborted, MasterDied, StallTimeout
 from ...launcher import RankGone
@@ -109,10 +109,12 @@ class XlaComm:
         if self.broken:
             raise RuntimeError(f"synkhronos: an earlier XLA collective failed ({self.broken}) and may still be "
                                "pending on other ranks; close the session (synk.close()) and fork again")
+        wait = lambda ready, sleep: self.sync.waiter.wait(ready, sleep, what="an XLA collective")  # noqa: E731
         try:
+            if not local.gpu:        # (XLA's CPU client runs such a program inside its dispatch)
+                return run_ready(lambda: program(*args), wait, self.sync.aborted)
             outs = program(*args)
-            wait_ready(outs, lambda ready, sleep: self.sync.waiter.wait(
-                ready, sleep, what="an XLA collective"), self.sync.aborted)
+            wait_ready(outs, wait, self.sync.aborted)
             return outs
         except (RankGone, MasterDied, StallTimeout):
             raise                    # the control plane's own ways out (the session ends)
