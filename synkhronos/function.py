@@ -202,9 +202,13 @@ class Function:
                 return outs if self._return_list else (outs[0] if outs else [])
             datas = [self._stage(i, v) for i, v in enumerate(values)]
             plan, wire, total, idx_local = self._plan(datas, sel, sel_s, num_slices, wanted)
-            mine, theirs, arrays = self._run(plan, wire, datas, total, idx_local, then)
-            outs = self._collect(mine, theirs, wanted, arrays, plan)
-            session.commit()
+            try:
+                mine, theirs, arrays = self._run(plan, wire, datas, total, idx_local, then)
+                outs = self._collect(mine, theirs, wanted, arrays, plan)
+                session.commit()
+            except BaseException:       # not committed: what the call set ahead here goes back now
+                session.me.drop()
+                raise
             if self._updates_sliceable:
                 session.lengths.clear()
             return outs

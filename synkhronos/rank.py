@@ -9,6 +9,7 @@ inside compiled graphs (collective ops) uses it to reach the comm plane."""
 import os
 
 from . import flight, shards, timeline
+from .signals import deferred
 
 _current = None
 
@@ -41,6 +42,7 @@ class Rank:
         self.shareds = []      # registry index -> shared variable (same order on every rank)
         self.replicas = []     # function id -> Replica
         self.pending = None    # (seq, {var: new value}) of a command's updates, until settled
+        self.ahead = None      # (seq, {var: value before}) of values set before the command settles
         self.call_cache = {}   # function id -> (wire plan, plan, its input views): a worker's last call
         self.seq = 0           # the command this rank is running (or ran last)
         self.extras = {}       # state that extensions keep on this rank, by name
@@ -85,9 +87,35 @@ class Rank:
             return self.pending[1][var]
         return self.device.get(var)
 
+    def set_ahead(self, var, value):
+        """Set ``var`` to ``value`` now, within command ``seq``, for what the command does next
+        (a chained training step's update rule reads the all-reduced gradient), and hold it as
+        one of its updates: unless the command is committed, ``settle``/``drop`` put the value
+        before it back (all or nothing, on every rank)."""
+        if self.ahead is None or self.ahead[0] != self.seq:
+            self.ahead = (self.seq, {})
+        self.ahead[1].setdefault(var, self.device.get(var))
+        self.device.set(var, value)
+        self.hold(self.seq, {var: value})
+
     def settle(self, settle):
         """Apply or drop what command ``settle[0]`` left pending (``settle[1]``: commit)."""
         pending, self.pending = self.pending, None
         if settle is not None and pending is not None and pending[0] == settle[0] and settle[1]:
             for var, value in pending[1].items():
+                self.device.set(var, value)
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and not (settle is not None and settle[0] == ahead[0] and settle[1]):
+            self._put_back(ahead)
+
+    def drop(self):
+        """The command in progress failed or was interrupted here: its pending values are
+        dropped, the values it set ahead put back."""
+        ahead, self.pending, self.ahead = self.ahead, None, None
+        if ahead is not None:
+            self._put_back(ahead)
+
+    def _put_back(self, ahead):
+        with deferred():                  # (all of them: an interrupt lands after)
+            for var, value in ahead[1].items():
                 self.device.set(var, value)

@@ -87,43 +87,58 @@ class Replica:
         inputs run after it on its new values (a training step's update rule: the
         all-reduce between them is the value itself on one rank); all or nothing.  The
         fast path of one GPU: with outputs it waits for them only, as a plain call reads
-        them (the updates come from the same program, done with them); a follow-up is
-        waited for whole, so that its failure restores the values before the call.
+        them (the updates come from the same program, done with them).
         ``sel_idx``: the rows of the sliceable shareds (``batch_s``)."""
         n_out = self.n_out
         if sel_idx is None:
             run = lambda: self._call(device.call_inputs(arrays), (), None)     # noqa: E731
         else:
             run = lambda: self._call(*_split(device.call_inputs(list(arrays) + [sel_idx])))     # noqa: E731
+        if then:
+            return self._followed(device, run, arrays, rows, then)
         outs = self._computed(run, device, 0, arrays, n_wait=n_out or None)
         res = [combine(m, [device.to_host(o)], [rows]) for m, o in zip(self.modes, outs[:n_out])]
-        news = list(zip(self.update_vars, outs[n_out:]))
-        if then:
-            news = self._followed(device, news, then)      # (its own are set already)
         with deferred():
-            for var, value in news:
+            for var, value in zip(self.update_vars, outs[n_out:]):
                 device.set(var, value)
         return res
 
-    def _followed(self, device, news, then):
-        """``news`` set, then each replica of ``then`` run on them; returns the follow-ups'
-        updates in order, or, when one fails, sets the values before ``news`` back and
-        raises its error."""
-        olds = [(var, device.get(var)) for var, _ in news]
-        later = []
-        try:
+    def _followed(self, device, run, arrays, rows, then):
+        """``solo`` with follow-ups: ``run()`` (this function) dispatched, its new values
+        set, each replica of ``then`` dispatched on them, all of it waited for once (the
+        follow-ups depend on the call's values: no wait is needed between them, as a plain
+        call of the two functions has none), then the follow-ups' new values set.  Until
+        those are set, a failure (an error of the device, an interrupt) puts the values
+        before the call back and raises."""
+        n_out = self.n_out
+        olds = [(var, device.get(var)) for var in self.update_vars]
+        later, done = [], False
+
+        def compute():
+            outs = run()
             with deferred():
-                for var, value in news:
+                for var, value in zip(self.update_vars, outs[n_out:]):
                     device.set(var, value)
+            pending = list(outs)
             for rep in then:
-                outs = rep._computed(lambda: rep._call(device.call_inputs([]), (), None), device, 0, [])
-                later += list(zip(rep.update_vars, outs[rep.n_out:]))
-        except BaseException:
+                fo = rep._call(device.call_inputs([]), (), None)
+                later.extend(zip(rep.update_vars, fo[rep.n_out:]))
+                pending.extend(fo)
+            return pending
+        try:
+            outs = self._computed(compute, device, 0, arrays)
+            res = [combine(m, [device.to_host(o)], [rows]) for m, o in zip(self.modes, outs[:n_out])]
             with deferred():
-                for var, value in olds:
+                for var, value in later:
                     device.set(var, value)
+                done = True
+        except BaseException:
+            if not done:
+                with deferred():
+                    for var, value in olds:
+                        device.set(var, value)
             raise
-        return later
+        return res
 
     def run_empty(self, scat, bcast, variant):
         """Every shard is empty: compute once on the empty input, as serial PyTensor would
@@ -231,8 +246,7 @@ def follow_up(me, steps):
             # scratch: no vote of its own (nothing of the step applies before the master's
             # commit, once every rank succeeded), so a master waiting here stays interruptible
             [res] = comm.all_reduce([(vid, value)], op, fence=True, scratch=True)
-            me.device.set(var, res)            # the next step reads it
-            me.hold(me.seq, {var: res})
+            me.set_ahead(var, res)             # the next step reads it
         elif step[0] == "run":
             me.replicas[step[1]].run(me, [], [], _no_input_plan(me.n))
         elif step[0] == "ext":              # an extension's step: ("ext", command name, *args)

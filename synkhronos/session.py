@@ -20,10 +20,8 @@ import traceback
 import numpy as np
 
 from . import backends, flight, signals, timeline
-from .debug import DebugMismatch, compare, fingerprint
-from .debug import enabled as debug_enabled
-from .errors import (Aborted, ForeignSession, StallTimeout, SynkError, WorkerDied,
-                     WorkerError, WorkerStopped)
+from .debug import DebugMismatch, compare, enabled as debug_enabled, fingerprint
+from .errors import Aborted, ForeignSession, StallTimeout, SynkError, WorkerDied, WorkerError, WorkerStopped
 from .launcher import RankGone
 from .messages import Command
 from .rank import Rank, run_share
@@ -305,7 +303,7 @@ class Session:
         try:
             self._finish_inflight(what)
             self._check()
-            me.pending = None      # an interrupted command's share (held, never sent) is dropped
+            me.drop()              # an interrupted command's share (held, never sent) is dropped
             me.seq = me.control.committed() + 1
             if master_first and local is not None:
                 # the first call compiles: a Ctrl-C inside LLVM can crash the process, so
@@ -365,8 +363,7 @@ class Session:
         self.me.flight.done(seq)
         errors = {r: rep.value for r, rep in replies.items() if rep.status == "err"}
         if self.debug:
-            fps = {r: rep.fingerprint for r, rep in replies.items()}
-            fps[self.rank] = fp
+            fps = {**{r: rep.fingerprint for r, rep in replies.items()}, self.rank: fp}
             self.debug_log.append(fps)
             try:
                 compare(self.rank, fps)

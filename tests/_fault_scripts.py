@@ -491,9 +491,23 @@ def scenario_sigint_storm(target, n, seconds):
     u = pytensor.shared(np.zeros(2), name="u")      # in-graph all_reduce (no vote of its own)
     tot = ops.all_reduce(T.sum(x) * T.ones(2), "sum")
     q = synk.function([x], (tot, None), updates=[(u, u + tot)])
+    from synkhronos.extensions import train, updates
+    # training steps, plain and with the fp16 exchange (one rank: its own path); the gradient
+    # depends on the data on one rank (elsewhere 1: a mean over ranks is not exact), so that a
+    # gradient left behind shows
+    steps = {}
+    for kind, dtype in (("step", "float64"), ("fp16", "float32")):
+        xv = x if dtype == "float64" else T.vector("x32", dtype=dtype)
+        pv = pytensor.shared(np.zeros(2, dtype), name=f"p_{kind}")
+        steps[kind] = pv, train.make_train_function(T.sum(pv) + float(n == 1) * T.sum(xv) * pv[0], [pv], [xv],
+                                                    updates.sgd, learning_rate=0.5,
+                                                    exchange="fp16" if kind == "fp16" else None)
     synk.distribute()
     q(np.arange(6.0))
     synk.broadcast(u, np.zeros(2))
+    for pv, st in steps.values():
+        st(np.zeros(n, pv.dtype))
+        synk.broadcast([pv, st.state_vars[0]], [np.zeros(2, pv.dtype)] * 2)
     for num_slices in (1, 2, 3):                  # compile every variant before the storm
         f(np.arange(6.0), num_slices=num_slices)
         g(np.zeros(6), num_slices=num_slices)
@@ -502,6 +516,7 @@ def scenario_sigint_storm(target, n, seconds):
     pick = random.Random(1)
     model = {"w": [np.zeros(3) for _ in range(n)], "v": [np.zeros(6) for _ in range(n)],
              "u": [np.zeros(2) for _ in range(n)]}
+    model.update({f"{kind}_{v}": [np.zeros(2) for _ in range(n)] for kind in steps for v in ("p", "gs")})
     res = dict(completed=0, interrupted=0, checked=0, mismatches=[], inconsistent=[], ops={})
 
     def read(var):
@@ -543,7 +558,8 @@ def scenario_sigint_storm(target, n, seconds):
     jax_ranks = (os.environ.get("SYNK_MODE") or "").strip().upper() == "JAX"
     t_end = time.monotonic() + seconds
     while storm.raised < target and time.monotonic() < t_end:
-        op = pick.choice(["f", "g", "h", "all_reduce", "broadcast", "scatter", "gather", "set_get", "ingraph"])
+        op = pick.choice(["f", "g", "h", "all_reduce", "broadcast", "scatter", "gather", "set_get", "ingraph",
+                          "step", "fp16"])
         res["ops"][op] = res["ops"].get(op, 0) + 1
         k = int(rng.integers(0, 13))
         xs = rng.integers(-5, 6, k).astype(np.float64)
@@ -575,6 +591,27 @@ def scenario_sigint_storm(target, n, seconds):
             if ok and not np.array_equal(out, [xs.sum()] * 2):
                 mismatch("ingraph", out, xs.sum())
             settle(ok, "u", u, after, "ingraph update")
+        elif op in steps:                         # every rank needs a row: n + k rows
+            pv, st = steps[op]
+            xs = rng.integers(-5, 6, n + k).astype(pv.dtype)
+            kp, kg = f"{op}_p", f"{op}_gs"
+            loss = model[kp][0].sum() + (n == 1) * xs.sum() * model[kp][0][0]
+            gs = [np.array([1.0 + (n == 1) * xs.sum(), 1.0])] * n
+            after = {kp: [m - 0.5 * g for m, g in zip(model[kp], gs)], kg: gs}
+            ok, out = storm.attempt(lambda: st(xs))
+            if ok and abs(out - loss) > 1e-6 * max(1.0, abs(loss)):      # (float32: the loss rounds)
+                mismatch(f"{op} loss", out, loss)
+            got = {kp: read(pv), kg: read(st.state_vars[0])}
+
+            def holds(state):
+                return all(np.array_equal(a, b) for k in state for a, b in zip(got[k], state[k]))
+            if ok and not holds(after):
+                mismatch(f"{op} update", got, after)
+            elif not ok and not holds(after) and not holds({k: model[k] for k in after}) \
+                    and len(res["inconsistent"]) < 20:
+                res["inconsistent"].append(f"{op} interrupted: ranks hold {got}, before "
+                                           f"{ {k: model[k] for k in after} }, after {after}")
+            model.update(got)
         elif op == "all_reduce":
             after = [sum(model["v"])] * n
             ok, _ = storm.attempt(lambda: synk.all_reduce(v, op="sum"))
@@ -611,7 +648,9 @@ def scenario_sigint_storm(target, n, seconds):
     res["interrupts"] = storm.raised
     res["typical_op_us"] = storm.max_delay / 1.5 * 1e6
     res["sigints_sent"] = storm.sent
-    for name, var in (("w", w), ("v", v), ("u", u)):     # the end state agrees with the model
+    finals = [("w", w), ("v", v), ("u", u)] + [(f"{kind}_{v}", var) for kind, (pv, st) in steps.items()
+                                               for v, var in (("p", pv), ("gs", st.state_vars[0]))]
+    for name, var in finals:                      # the end state agrees with the model
         got = read(var)
         if not all(np.array_equal(a, c) for a, c in zip(got, model[name])):
             mismatch(f"final {name}", got, model[name])

@@ -239,6 +239,49 @@ def test_device_out_of_memory_names_the_rank_and_applies_nothing(assert_clean):
         synk.close()
 
 
+def test_one_rank_step_out_of_memory_in_its_update_applies_nothing(assert_clean):
+    """A one-rank training step dispatches its gradient and its update rule and waits once
+    for both: an update rule that runs out of device memory (real: an outer product of
+    2 TiB, once a shared vector is made large) raises DeviceMemoryError, and the parameters,
+    the gradient and the rule's state stay as before the step; the next steps give the
+    serial values as if it had never run."""
+    from synkhronos.extensions import train, updates
+    synk.fork(1, mode="JAX", use_gpu=False)
+    try:
+        x, y = T.matrix("x", dtype="float32"), T.vector("y", dtype="float32")
+        w = pytensor.shared(np.zeros(3, "float32"), name="w")
+        z = pytensor.shared(np.ones(4, "float32"), name="z")
+        junk = pytensor.shared(np.zeros((2, 4), "float32"), name="junk")
+        loss = T.mean((x.dot(w) - y) ** 2)
+
+        def rule(loss_, params, **kw):
+            g_upd, p_upd, g_shared = updates.momentum(loss_, params, **kw)
+            return g_upd, list(p_upd) + [(junk, T.outer(z, z)[::2])], g_shared
+        step = train.make_train_function(loss, [w], [x, y], rule, learning_rate=0.1)
+        synk.distribute()
+        rng = np.random.default_rng(5)
+        X, Y = rng.standard_normal((8, 3)).astype("float32"), rng.standard_normal(8).astype("float32")
+        step(X, Y)
+        step(X, Y)                                     # warm: the one-rank path
+        before = [np.array(synk.get_value(0, v), copy=True) for v in step.state_vars]
+        synk.set_value(0, z, np.ones(1 << 21, "float32"))
+        with pytest.raises(synk.DeviceMemoryError) as e:
+            step(X, Y)
+        assert "rank 0" in str(e.value) and "GiB" in str(e.value), str(e.value)
+        for v, b in zip(step.state_vars, before):
+            np.testing.assert_array_equal(synk.get_value(0, v), b, err_msg=str(v))
+        synk.set_value(0, z, np.ones(4, "float32"))
+        got = [float(step(X, Y)) for _ in range(2)]
+        np.testing.assert_array_equal(synk.get_value(0, junk), np.ones((2, 4)))
+    finally:
+        synk.close()
+    # the serial steps: two before the failed one, the two after it
+    synk_free = train.make_train_function_theano(loss, [w], [x, y], updates.momentum, learning_rate=0.1)
+    w.set_value(np.zeros(3, "float32"))
+    want = [float(synk_free(X, Y)) for _ in range(4)]
+    np.testing.assert_allclose(got, want[2:], rtol=1e-6)
+
+
 def test_staged_all_reduce_adding_on_the_device(monkeypatch, tmp_path):
     """SYNK_STAGED_REDUCE=device (the default on GPUs): every rank reads the others' values
     from their slots and reduces on its device in rank order.  Three ranks: each op gives

@@ -78,9 +78,29 @@ def _aligned_copy(x):
     return out
 
 
+_jax_array = []              # [jax.Array], once JAX is imported
+
+
 def is_device_array(x):
-    import jax
-    return isinstance(x, jax.Array)
+    if not _jax_array:
+        import jax
+        _jax_array.append(jax.Array)
+    return isinstance(x, _jax_array[0])
+
+
+_scopes = {}                 # JAX's explicit-transfer scope by name (None: this JAX lacks it)
+
+
+def _jax_scope(name):
+    """JAX's context manager factory ``name`` (``explicit_device_put_scope``,
+    ``explicit_device_get_scope``), or None when this JAX lacks it."""
+    if name not in _scopes:
+        try:
+            from jax._src import config as jcfg
+            _scopes[name] = getattr(jcfg, name)
+        except Exception:
+            _scopes[name] = None
+    return _scopes[name]
 
 
 def to_devices(arrays):
@@ -95,20 +115,11 @@ def to_devices(arrays):
 
 
 _IN_DISPATCH_MAX = {False: 256 << 10, True: 64 << 10}   # bytes, on the CPU / on a GPU
-_put_scope = []              # [JAX's explicit device-put scope, or None]
-
-
 def put_scope():
     """JAX's explicit-transfer scope (a context manager factory), or None when this JAX
     lacks it.  A jitted call dispatched inside it transfers its host arguments as explicit
     transfers (a ``transfer_guard("disallow")`` allows them, as it allows ``device_put``)."""
-    if not _put_scope:
-        try:
-            from jax._src import config as jcfg
-            _put_scope.append(jcfg.explicit_device_put_scope)
-        except Exception:
-            _put_scope.append(None)
-    return _put_scope[0]
+    return _jax_scope("explicit_device_put_scope")
 
 
 def call_arrays(arrays):
@@ -125,7 +136,7 @@ def call_arrays(arrays):
     limit = _IN_DISPATCH_MAX[local.gpu]
     out, big = list(arrays), []
     for i, a in enumerate(arrays):
-        if not hasattr(a, "__array__") or _is_jax(a):
+        if not hasattr(a, "__array__") or is_device_array(a):
             big.append(i)
             continue
         x = np.asarray(a)
@@ -140,11 +151,6 @@ def call_arrays(arrays):
     for i, m in zip(big, moved):
         out[i] = m
     return out, moved
-
-
-def _is_jax(a):
-    import jax
-    return isinstance(a, jax.Array)
 
 
 def _host_copy(x, put):
@@ -216,19 +222,10 @@ def start_reads(arrays):
                 pass
 
 
-_get_scope = []              # [JAX's explicit device-get scope, or None]
-
-
 def _explicit_read(arr):
     """JAX's own read of a device array, as the explicit transfer ``jax.device_get`` makes
     (a ``transfer_guard`` allows it) without its pytree handling (~100 us a call on a GPU)."""
-    if not _get_scope:
-        try:
-            from jax._src import config as jcfg
-            _get_scope.append(jcfg.explicit_device_get_scope)
-        except Exception:
-            _get_scope.append(None)
-    scope = _get_scope[0]
+    scope = _jax_scope("explicit_device_get_scope")
     if scope is None:
         import jax
         return jax.device_get(arr)

@@ -82,8 +82,7 @@ def fp16_all_reduce(me, items, op):
             st[("s", svid)] = res
             out = dev.to_device(out)                                 # (copies)
             r_new = None if r_new is None else dev.to_device(r_new)
-        dev.set(var, out)             # a follow-up step of this command reads it
-        held[var] = out
+        me.set_ahead(var, out)        # a follow-up step of this command reads it
         if rvid >= 0:
             held[me.shareds[rvid]] = r_new
     me.hold(me.seq, held)
