@@ -463,9 +463,9 @@ class _Storm:
 
 
 def scenario_sigint_storm(target, n, seconds):
-    """Calls (one with an in-graph all_reduce) and collectives under SIGINTs at random
-    instants until ``target`` interrupts
-    (or ``seconds``).  Every completed result is checked against a model of every rank's
+    """Calls (one with an in-graph all_reduce), training steps (plain and fp16) and
+    collectives under SIGINTs at random instants until ``target`` interrupts (or
+    ``seconds``).  Every completed result is checked against a model of every rank's
     state; after every interrupted operation the ranks' state must be the state before or
     after it on every rank at once (all-or-nothing), and it becomes the model."""
     import random

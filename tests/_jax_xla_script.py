@@ -19,7 +19,7 @@ import pytensor  # noqa: E402
 import pytensor.tensor as T  # noqa: E402
 
 import synkhronos as synk  # noqa: E402
-from synkhronos import session  # noqa: E402
+from synkhronos import ops, session  # noqa: E402
 
 DTYPES = ["float16", "float32", "float64", "int8", "int32", "int64", "uint8", "uint32"]
 OPS = ["avg", "sum", "prod", "max", "min"]
@@ -190,6 +190,9 @@ def _in_graph_session(n, path):
     v = to.symbols()
     v.w = pytensor.shared(rng.uniform(0.5, 1.5, to.D), name="w")
     fs = {name: to.build(v, name) for name in to.CASES}
+    h = T.matrix("h", dtype="float16")       # float16 inside a program (XLA's collectives take it)
+    fs["float16"] = synk.function([h], [(ops.all_reduce(h, "sum"), "gather"), (ops.all_gather(h), "gather"),
+                                        (ops.broadcast(h, n - 1), "gather")], name="float16")
     synk.distribute()
     S = types.SimpleNamespace(n=n, v=v, fs=fs, serial={}, data=dict(
         X=rng.standard_normal((to.N, to.D)), c=rng.standard_normal(to.D), A=rng.standard_normal((to.M, to.D)),
@@ -223,10 +226,21 @@ def scenario_in_graph(n):
     rng = np.random.default_rng(1)
     even = dict(X=rng.standard_normal((rows, to.D)), C=rng.standard_normal((rows, to.D)),
                 A=rng.standard_normal((rows, to.D)), cnt=np.full(n, rows // n, np.int64))
+    one = dict(X=rng.standard_normal((n, to.D)), C=rng.standard_normal((n, to.D)),
+               A=rng.standard_normal((n, to.D)), cnt=np.ones(n, np.int64))
+    H = rng.integers(-100, 101, (2 * n, 3)).astype("float16")      # (sums exact in any order)
     try:
         for name in to.CASES:
             to.compare(S, name, data=even)     # one program where it can
             to.compare(S, name)                # uneven shards (7 rows): stretches
+            if n == 2:
+                to.compare(S, name, data=one)  # one row a rank: one program too
+        total, gathered, bcast = S.fs["float16"](H)
+        blocks = [H[2 * r:2 * r + 2] for r in range(n)]
+        want = sum(b.astype(np.float32) for b in blocks).astype(np.float16)
+        assert total.dtype == np.float16 and np.array_equal(total, np.concatenate([want] * n)), total
+        assert np.array_equal(gathered, np.concatenate([H] * n)), gathered
+        assert np.array_equal(bcast, np.concatenate([blocks[-1]] * n)), bcast
     finally:
         synk.close()
     try:

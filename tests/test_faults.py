@@ -939,10 +939,11 @@ _STORM_ENV = {"numba": None, "JAX": {"SYNK_MODE": "JAX"},
                                            ("JAX", 1, 300), ("JAX", 2, 600), ("JAX-device-adds", 2, 600),
                                            pytest.param("numba", 3, 20000, marks=pytest.mark.slow)])
 def test_sigint_storm(mode, n, target):
-    """Calls (with updates, num_slices, every output mode) and collectives under SIGINTs at
-    random instants of each operation.  Every completed result matches a model of every
-    rank's state; after every interrupt the state is the one before the operation or the
-    one after it, on every rank at once; the session ends clean.  On JAX ranks too: an
+    """Calls (with updates, num_slices, every output mode), training steps (plain and fp16:
+    gradient and parameters checked together) and collectives under SIGINTs at random
+    instants of each operation.  Every completed result matches a model of every rank's
+    state; after every interrupt the state is the one before the operation or the one after
+    it, on every rank at once; the session ends clean.  On JAX ranks too: an
     interrupt during a jitted call's dispatch once surfaced as jaxlib's ``ValueError: Cache
     keys should be comparable`` instead of a KeyboardInterrupt.  And with the all-reduces of
     the host-staged path added on the device (SYNK_STAGED_REDUCE=device, the GPUs' path)."""
