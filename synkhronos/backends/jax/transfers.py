@@ -115,6 +115,8 @@ def to_devices(arrays):
 
 
 _IN_DISPATCH_MAX = {False: 256 << 10, True: 64 << 10}   # bytes, on the CPU / on a GPU
+
+
 def put_scope():
     """JAX's explicit-transfer scope (a context manager factory), or None when this JAX
     lacks it.  A jitted call dispatched inside it transfers its host arguments as explicit
