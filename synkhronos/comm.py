@@ -89,6 +89,11 @@ class Comm(Protocol):
     def barrier(self) -> None:
         """All ranks meet."""
 
+    def settle(self, committed: bool) -> None:
+        """The command in progress ended on this rank: ``committed`` (the caller keeps the
+        ``scratch`` results it was given), or not (it dropped them: a buffer they lie in
+        may be written again, and one it kept before may not)."""
+
     def close(self) -> Any:
         """Free what this rank holds."""
 

@@ -101,12 +101,14 @@ class Rank:
     def settle(self, settle):
         """Apply or drop what command ``settle[0]`` left pending (``settle[1]``: commit)."""
         pending, self.pending = self.pending, None
-        if settle is not None and pending is not None and pending[0] == settle[0] and settle[1]:
+        committed = settle is not None and settle[1]
+        if committed and pending is not None and pending[0] == settle[0]:
             for var, value in pending[1].items():
                 self.device.set(var, value)
         ahead, self.ahead = self.ahead, None
-        if ahead is not None and not (settle is not None and settle[0] == ahead[0] and settle[1]):
+        if ahead is not None and not (committed and settle[0] == ahead[0]):
             self._put_back(ahead)
+        self.comm.settle(committed)
 
     def drop(self):
         """The command in progress failed or was interrupted here: its pending values are
@@ -114,6 +116,7 @@ class Rank:
         ahead, self.pending, self.ahead = self.ahead, None, None
         if ahead is not None:
             self._put_back(ahead)
+        self.comm.settle(False)
 
     def _put_back(self, ahead):
         with deferred():                  # (all of them: an interrupt lands after)

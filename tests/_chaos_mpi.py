@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _fault_scripts as fs  # noqa: E402
-from _mpi_scripts import _emit  # noqa: E402
+from _fault_scripts import _emit  # noqa: E402
 
 FAULTS = ("kill", "stop", "raise", "ctrl-c")
 OPS = ("call", "all_reduce", "broadcast", "gather", "scatter")

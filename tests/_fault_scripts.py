@@ -199,12 +199,23 @@ def startup_fault_env(tmp_path, spec):
 # Master programs (run as ``python _fault_scripts.py SCENARIO``)
 
 
+def _emit(kind, kw):
+    """A line for the test: on stdout, and (the output of two hosts can interleave) in
+    the file ``SYNK_RESULT_FILE`` when set (a scenario under ``mpiexec``)."""
+    line = f"{kind} " + json.dumps(kw, default=str)
+    print(line, flush=True)
+    path = os.environ.get("SYNK_RESULT_FILE")
+    if path:
+        with open(path, "a") as fh:
+            fh.write(line + "\n")
+
+
 def _info(**kw):
-    print("SYNK-INFO " + json.dumps(kw), flush=True)
+    _emit("SYNK-INFO", kw)
 
 
 def _result(**kw):
-    print("SYNK-RESULT " + json.dumps(kw), flush=True)
+    _emit("SYNK-RESULT", kw)
 
 
 def _session(n):
@@ -462,6 +473,9 @@ class _Storm:
             return False, None         # delays, or the storm would interrupt nearly every op)
 
 
+_BIG = 20000     # float64 elements: above the small all-reduce's 64 KB on every rank count
+
+
 def scenario_sigint_storm(target, n, seconds):
     """Calls (one with an in-graph all_reduce), training steps (plain and fp16) and
     collectives under SIGINTs at random instants until ``target`` interrupts (or
@@ -494,20 +508,21 @@ def scenario_sigint_storm(target, n, seconds):
     from synkhronos.extensions import train, updates
     # training steps, plain and with the fp16 exchange (one rank: its own path); the gradient
     # depends on the data on one rank (elsewhere 1: a mean over ranks is not exact), so that a
-    # gradient left behind shows
+    # gradient left behind shows; "big": a gradient too large for the small all-reduce (it
+    # lies in the shared-memory slots), depending on every rank's data (compared to 1e-9)
     steps = {}
-    for kind, dtype in (("step", "float64"), ("fp16", "float32")):
+    for kind, dtype, size in (("step", "float64", 2), ("fp16", "float32", 2), ("big", "float64", _BIG)):
         xv = x if dtype == "float64" else T.vector("x32", dtype=dtype)
-        pv = pytensor.shared(np.zeros(2, dtype), name=f"p_{kind}")
-        steps[kind] = pv, train.make_train_function(T.sum(pv) + float(n == 1) * T.sum(xv) * pv[0], [pv], [xv],
-                                                    updates.sgd, learning_rate=0.5,
+        pv = pytensor.shared(np.zeros(size, dtype), name=f"p_{kind}")
+        loss = T.sum(pv) * T.sum(xv) if kind == "big" else T.sum(pv) + float(n == 1) * T.sum(xv) * pv[0]
+        steps[kind] = pv, train.make_train_function(loss, [pv], [xv], updates.sgd, learning_rate=0.5,
                                                     exchange="fp16" if kind == "fp16" else None)
     synk.distribute()
     q(np.arange(6.0))
     synk.broadcast(u, np.zeros(2))
     for pv, st in steps.values():
         st(np.zeros(n, pv.dtype))
-        synk.broadcast([pv, st.state_vars[0]], [np.zeros(2, pv.dtype)] * 2)
+        synk.broadcast([pv, st.state_vars[0]], [np.zeros(len(pv.get_value()), pv.dtype)] * 2)
     for num_slices in (1, 2, 3):                  # compile every variant before the storm
         f(np.arange(6.0), num_slices=num_slices)
         g(np.zeros(6), num_slices=num_slices)
@@ -516,7 +531,8 @@ def scenario_sigint_storm(target, n, seconds):
     pick = random.Random(1)
     model = {"w": [np.zeros(3) for _ in range(n)], "v": [np.zeros(6) for _ in range(n)],
              "u": [np.zeros(2) for _ in range(n)]}
-    model.update({f"{kind}_{v}": [np.zeros(2) for _ in range(n)] for kind in steps for v in ("p", "gs")})
+    model.update({f"{kind}_{v}": [np.zeros(len(pv.get_value())) for _ in range(n)]
+                  for kind, (pv, _) in steps.items() for v in ("p", "gs")})
     res = dict(completed=0, interrupted=0, checked=0, mismatches=[], inconsistent=[], ops={})
 
     def read(var):
@@ -559,7 +575,7 @@ def scenario_sigint_storm(target, n, seconds):
     t_end = time.monotonic() + seconds
     while storm.raised < target and time.monotonic() < t_end:
         op = pick.choice(["f", "g", "h", "all_reduce", "broadcast", "scatter", "gather", "set_get", "ingraph",
-                          "step", "fp16"])
+                          "step", "fp16", "big"])
         res["ops"][op] = res["ops"].get(op, 0) + 1
         k = int(rng.integers(0, 13))
         xs = rng.integers(-5, 6, k).astype(np.float64)
@@ -595,16 +611,23 @@ def scenario_sigint_storm(target, n, seconds):
             pv, st = steps[op]
             xs = rng.integers(-5, 6, n + k).astype(pv.dtype)
             kp, kg = f"{op}_p", f"{op}_gs"
-            loss = model[kp][0].sum() + (n == 1) * xs.sum() * model[kp][0][0]
-            gs = [np.array([1.0 + (n == 1) * xs.sum(), 1.0])] * n
+            if op == "big":       # each rank's gradient: the sum of its rows; averaged over ranks
+                bb = split(n + k, n)
+                loss = model[kp][0].sum() * sum((bb[r + 1] - bb[r]) * xs[bb[r]:bb[r + 1]].sum()
+                                                for r in range(n)) / (n + k)    # (rows weigh outputs)
+                gs = [np.full(_BIG, np.mean([xs[bb[r]:bb[r + 1]].sum() for r in range(n)]))] * n
+            else:
+                loss = model[kp][0].sum() + (n == 1) * xs.sum() * model[kp][0][0]
+                gs = [np.array([1.0 + (n == 1) * xs.sum(), 1.0])] * n
             after = {kp: [m - 0.5 * g for m, g in zip(model[kp], gs)], kg: gs}
             ok, out = storm.attempt(lambda: st(xs))
             if ok and abs(out - loss) > 1e-6 * max(1.0, abs(loss)):      # (float32: the loss rounds)
                 mismatch(f"{op} loss", out, loss)
             got = {kp: read(pv), kg: read(st.state_vars[0])}
+            same = (lambda a, b: np.allclose(a, b, rtol=0, atol=1e-9)) if op == "big" else np.array_equal
 
             def holds(state):
-                return all(np.array_equal(a, b) for k in state for a, b in zip(got[k], state[k]))
+                return all(same(a, b) for k in state for a, b in zip(got[k], state[k]))
             if ok and not holds(after):
                 mismatch(f"{op} update", got, after)
             elif not ok and not holds(after) and not holds({k: model[k] for k in after}) \

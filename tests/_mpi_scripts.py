@@ -2,7 +2,6 @@
 ARGS``).  Every MPI process runs the program; ``synk.fork()`` returns only in the master
 (MPI rank 0), which prints ``SYNK-INFO {json}`` once the session is up and ``SYNK-RESULT
 {json}`` at the end."""
-import json
 import os
 import signal
 import sys
@@ -11,24 +10,8 @@ import time
 
 import numpy as np
 
-
-def _emit(kind, kw):
-    """A line for the test: on stdout, and (the output of two hosts can interleave) in
-    the file ``SYNK_RESULT_FILE`` when set."""
-    line = f"{kind} " + json.dumps(kw, default=str)
-    print(line, flush=True)
-    path = os.environ.get("SYNK_RESULT_FILE")
-    if path:
-        with open(path, "a") as fh:
-            fh.write(line + "\n")
-
-
-def _info(**kw):
-    _emit("SYNK-INFO", kw)
-
-
-def _result(**kw):
-    _emit("SYNK-RESULT", kw)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _fault_scripts import _info, _result  # noqa: E402  (one emitter for every script)
 
 
 def _session(n):
@@ -194,6 +177,31 @@ def scenario_features(n):
     ck.equal("replaced host buffers unmapped", max(0, deleted_mappings() - mapped), 0)
     synk.close()
     _result(checks=ck.n, failed=ck.failed, n=n, hosts=sorted({r.host for r in info.ranks}))
+
+
+def scenario_sizes(n):
+    """Calls whose inputs grow and shrink (the master's staging buffers keep their names
+    while the other host's copies of them are resized): every result against numpy."""
+    import pytensor.tensor as T
+    import synkhronos as synk
+    _session(n)
+    x = T.matrix("x", dtype="float64")
+    f = synk.function([x], [(T.sum(x, axis=0), "sum"), (x * 2, "gather")])
+    synk.distribute()
+    rng = np.random.default_rng(5)
+    wrong, raised = [], []
+    for rows in (1, 8, 11, 3, 1, 30, 44, 2, 200, 290, 9, 5000, 7000, 12, 1, 0, 40, 7000, 8):
+        data = rng.standard_normal((rows, 3))
+        try:
+            got = f(data)
+        except synk.SynkError as e:
+            raised.append((rows, str(e)[-300:]))
+            continue
+        if not (np.allclose(got[0], data.sum(axis=0), rtol=1e-12, atol=1e-12)
+                and np.array_equal(got[1], data * 2)):
+            wrong.append(rows)
+    synk.close()
+    _result(wrong=wrong, raised=raised)
 
 
 def scenario_train(n, steps, rule="momentum", shard="0"):
@@ -548,6 +556,6 @@ def scenario_elastic(ckpt, steps, pause):
 
 if __name__ == "__main__":
     name, args = sys.argv[1], sys.argv[2:]
-    {"features": scenario_features, "train": scenario_train, "fault": scenario_fault, "step_fails": scenario_step_fails,
+    {"features": scenario_features, "sizes": scenario_sizes, "train": scenario_train, "fault": scenario_fault, "step_fails": scenario_step_fails,
      "ctrl_c_slow": scenario_ctrl_c_slow,
      "ps": scenario_ps, "resume": scenario_resume, "elastic": scenario_elastic}[name](*args)

@@ -113,6 +113,17 @@ def test_hosts_every_feature(hosts):
     assert_hosts_clean(hosts)
 
 
+def test_hosts_inputs_that_grow_and_shrink(hosts):
+    """A function called with inputs of varying sizes, down and up again: on the other
+    host, the copies of the master's buffers are resized under the same names, and its
+    ranks must read the new ones (they kept the old: a call raised, or read the data of an
+    earlier call)."""
+    p, info, res = run_hosts(hosts, "sizes", "4")
+    assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
+    assert res["raised"] == [] and res["wrong"] == [], res
+    assert_hosts_clean(hosts)
+
+
 def test_hosts_training_equals_serial(hosts):
     p, info, res = run_hosts(hosts, "train", "auto", "20")
     assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
@@ -134,6 +145,20 @@ def test_hosts_rank_lost_on_the_other_host(hosts, what, exc):
     for rank, host in ((0, "hA"), (1, "hA"), (2, "hB"), (3, "hB")):
         assert f"rank {rank} ({host}, pid" in report, report
     assert ("STOPPED" if what == "stop" else "GONE") in report.split("rank 3 (hB")[1].split("\n")[0], report
+    assert_hosts_clean(hosts)
+
+
+def test_hosts_sigint_storm(hosts):
+    """test_faults' SIGINT storm on 4 ranks over two hosts: calls, training steps (plain,
+    fp16, and a gradient that lies in the shared-memory slots) and collectives interrupted
+    at random instants; every completed result right, every interrupted one all or nothing
+    on every rank of both hosts, nothing left on either host."""
+    p, info, res = _run_hosts(hosts, "_fault_scripts.py", "sigint_storm", "200", "4", "150", timeout=300)
+    assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
+    assert res["interrupts"] >= 200 and res["completed"] > 100, res
+    assert res["mismatches"] == [], res["mismatches"]
+    assert res["inconsistent"] == [], res["inconsistent"]
+    assert res["final_f"] == 45.0 and res["left"] == []
     assert_hosts_clean(hosts)
 
 

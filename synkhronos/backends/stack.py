@@ -42,6 +42,11 @@ class CommStack:
     def barrier(self):
         self.impls[-1].barrier()
 
+    def settle(self, committed):
+        """The command in progress ended: committed or dropped (``Comm.settle``)."""
+        for c in self.impls:
+            c.settle(committed)
+
     def close(self):
         for c in self.impls:
             c.close()

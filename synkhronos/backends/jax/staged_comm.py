@@ -126,6 +126,9 @@ class StagedComm:
     def barrier(self):
         self.host.barrier()
 
+    def settle(self, committed):
+        pass                     # (results are new device arrays; the host comm settles its own)
+
     def close(self):
         pass
 

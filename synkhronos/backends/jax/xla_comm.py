@@ -255,6 +255,9 @@ class XlaComm:
     def barrier(self):
         self.host.barrier()
 
+    def settle(self, committed):
+        pass                     # (results are new device arrays; the host comm settles its own)
+
     def close(self):
         stop_distributed()
 

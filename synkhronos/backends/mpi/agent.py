@@ -255,13 +255,13 @@ class Agent:
         """A command from the master: take the data it needs into this host's copies of the
         master's buffers, drop the copies the master released, hand it to the ranks."""
         name, _, forget, settle, blob = wire           # (the arguments pickled once, by the master)
-        command = Command(name, None, forget, settle)
-        for handle in command.forget:                 # the master's released buffers
+        for handle in forget:                         # the master's released buffers
             seg = self.mirrors.pop(handle, None)
             if seg is not None:
                 seg.unlink()
+        resized = []
         for ref, kind, where, idx_ref, nbytes, inline in heads:
-            arr = self.mirror(ref)
+            arr = self.mirror(ref, resized)
             if kind == "index":
                 part = np.empty((nbytes // max(1, arr.dtype.itemsize * int(np.prod(arr.shape[1:])) or 1),)
                                 + arr.shape[1:], arr.dtype)
@@ -274,14 +274,19 @@ class Agent:
             else:
                 self.w.recv_array(part, 0)
             if kind == "index":
-                positions = self.mirror(idx_ref)[where[0]:where[1]]
+                positions = self.mirror(idx_ref, resized)[where[0]:where[1]]
                 arr[positions] = part
-        if command.name == "distribute":              # the ranks attach to the slot table
+        if name == "distribute":                      # the ranks attach to the slot table
             self.table = Slots(self.prefix, 0, self.k + 1, max(64, pickle.loads(blob)[1]), True)
+        # the ranks forget the copies that were resized too (a new segment under the same
+        # name: the mapping they keep is the old one, which this agent no longer writes)
+        command = Command(name, None, tuple(forget) + tuple(resized), settle)
         self.ctl.send_pickled(seq, command, blob)
         self.inflight = seq
 
-    def mirror(self, ref):
+    def mirror(self, ref, resized):
+        """This host's copy of the master's buffer ``ref`` (made, or grown: its handle is
+        added to ``resized``, whose mappings the ranks must drop)."""
         handle, dtype, shape = ref
         dtype = np.dtype(dtype)
         nbytes = max(64, int(np.prod(shape)) * dtype.itemsize)
@@ -289,6 +294,8 @@ class Agent:
         if seg is None or seg.size < nbytes:
             if seg is not None:
                 seg.unlink()
+                resized.append(handle)
+                nbytes = max(nbytes, seg.size * 3 // 2)     # (room to grow: the master's buffer may be larger)
             shm.check_space(nbytes)
             seg = self.mirrors[handle] = shm.Segment(mirror_name(self.prefix, handle), nbytes, create=True)
         return seg.array(dtype, tuple(shape))

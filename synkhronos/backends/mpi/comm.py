@@ -177,14 +177,14 @@ class HierComm:
 
     # ---- verbs -----------------------------------------------------------------------------
     def all_reduce(self, items, op, fence=True, scratch=False, owned=False):
-        res = self._reduction(items, op, None, True)
+        res = self._reduction(items, op, None, True, scratch)
         return [np.array(r, copy=True) for r in res] if owned else res
 
     def reduce(self, items, op, root, in_place=True, fence=True):
-        res = self._reduction(items, op, root, in_place)
+        res = self._reduction(items, op, root, in_place, False)
         return res if self.grank == root else None
 
-    def _reduction(self, items, op, root, in_place):
+    def _reduction(self, items, op, root, in_place, tentative):
         what = "all_reduce" if root is None else "reduce"
         staged = []
         for key, arr in items:
@@ -227,7 +227,7 @@ class HierComm:
             if acc is None:
                 self._half_between_hosts(op, flat, hbuf, hname, srcs, out)
                 if out is not None and in_place:
-                    self.slots.lend(key)
+                    self.slots.lend(key, tentative)
                 continue
             b = chunk_bounds(flat.size, self.k, flat.dtype.itemsize)
             a0, b0 = b[self.pos], b[self.pos + 1]
@@ -248,7 +248,7 @@ class HierComm:
                     np.copyto(dst, red.finish(op, np.array(hbuf, copy=True), self.n, flat.dtype),
                               casting="unsafe")
                 if in_place:
-                    self.slots.lend(key)
+                    self.slots.lend(key, tentative)
         self.ctl.host_barrier()          # nobody reads the host buffers or slots any more
         return [None if p[7] is None else p[7].reshape(p[2]) for p in plans]
 
@@ -350,7 +350,7 @@ class HierComm:
         counts = [None] * len(items) if counts is None else list(counts)
         bounds = [row_blocks(np.shape(arr), c, self.n, self.names.get(key))     # (checked before any wait)
                   for (key, arr), c in zip(items, counts)]
-        full = self._reduction(items, op, None, False)
+        full = self._reduction(items, op, None, False, False)
         return [np.array(f[b[self.grank]:b[self.grank + 1]], copy=True) for f, b in zip(full, bounds)]
 
     def shapes(self, shapes):
@@ -364,3 +364,7 @@ class HierComm:
 
     def barrier(self):
         self.ctl.barrier()
+
+    def settle(self, committed):
+        if self.slots is not None:          # (none before ``setup``)
+            self.slots.settle(committed)

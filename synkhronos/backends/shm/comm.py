@@ -135,7 +135,7 @@ class ShmComm:
         def write():
             for (key, _), (flat, _), vs in zip(items, staged, views):
                 self._reduce(op, self._sources(vs, flat), vs, flat)
-                self.slots.lend(key)
+                self.slots.lend(key, tentative=scratch)
         if scratch:
             write()
         else:
@@ -361,6 +361,10 @@ class ShmComm:
 
     def barrier(self):
         self.sync.barrier()
+
+    def settle(self, committed):
+        if self.slots is not None:          # (none before ``setup``)
+            self.slots.settle(committed)
 
     def close(self):
         pass                     # (the session's segments are removed by prefix)

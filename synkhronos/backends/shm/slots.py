@@ -35,6 +35,7 @@ class Slots:
         self.bufs = {}    # (plane, key) -> [(gen, Segment, address) or None, same]
         self.cur = {}     # (plane, key) -> index of the buffer published now
         self.lent = {}    # key -> index of the value buffer last returned
+        self.undo = {}    # key -> its ``lent`` before the command in progress lent it tentatively
         self.gen = {}     # (plane, key) -> last generation number used in a name
         self.peers = {}   # (plane, key, rank) -> {gen % 2: (gen, Segment)}
         self.views = {}   # (plane, key, rank, gen) -> (shape, dtype, array): the last view made
@@ -91,9 +92,26 @@ class Slots:
         self.announce(SLOT, key, gen, shape)
         return seg.array(dtype, shape)
 
-    def lend(self, key):
-        """The value buffer published now is returned to a caller (call once committed)."""
+    def lend(self, key, tentative=False):
+        """The value buffer published now is returned to a caller (call once committed).
+        ``tentative`` (a ``scratch`` result): the caller keeps it only if its command is
+        committed; ``settle`` says which."""
+        if tentative:
+            self.undo.setdefault(key, self.lent.get(key))
         self.lent[key] = self.cur[(SLOT, key)]
+
+    def settle(self, committed):
+        """The command of the tentative lends ended: kept (``committed``) or dropped, when
+        the buffer lent before is again the one its caller keeps (staging must not write it:
+        an interrupted training step's gradient is put back to it)."""
+        if self.undo:
+            if not committed:
+                for key, i in self.undo.items():
+                    if i is None:
+                        self.lent.pop(key, None)
+                    else:
+                        self.lent[key] = i
+            self.undo.clear()
 
     def ensure(self, key, dtype, shape, plane):
         """This rank's buffer of ``key`` on a result or shape plane, published."""
