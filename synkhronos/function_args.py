@@ -4,7 +4,7 @@ variant, and whether (and where) the graph's in-graph collectives can run."""
 import sys
 from collections import OrderedDict
 
-from .reductions import OUTPUT_MODES, check_mode
+from .reductions import OUTPUT_MODES, UPDATE_MODES, check_mode
 
 
 def parse_outputs(outputs):
@@ -39,9 +39,9 @@ def parse_updates(updates):
         for u in updates:
             if not isinstance(u, tuple) or len(u) not in (2, 3):
                 raise TypeError(f"updates must be (shared_var, new_value[, reduce mode]) tuples; got {u!r}")
-            mode = check_mode(u[2], OUTPUT_MODES, "update reduce mode") if len(u) == 3 else "avg"
-            if mode == "gather":
+            if len(u) == 3 and u[2] in ("gather", "c_gather"):
                 raise ValueError("an update cannot use reduce mode 'gather'")
+            mode = check_mode(u[2], UPDATE_MODES, "update reduce mode") if len(u) == 3 else "avg"
             items.append((u[0], u[1], mode))
     else:
         raise TypeError("updates must be a list of (shared_var, new_value[, reduce mode]) tuples or a dict")
@@ -49,6 +49,9 @@ def parse_updates(updates):
     for var, upd, mode in items:
         if not isinstance(var, SharedVariable):
             raise TypeError(f"update targets must be shared variables, got {var!r}")
+        if mode == "share" and var.type.dtype not in ("float16", "float32", "float64"):
+            raise TypeError(f"update mode 'share' scales a rank's value by its share of the batch: "
+                            f"{var} must be a float variable, got {var.type.dtype}")
         try:   # the same check (and safe conversion) plain PyTensor applies to updates
             out.append((var, var.type.filter_variable(upd, allow_convert=True), mode))
         except TypeError as e:

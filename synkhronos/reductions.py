@@ -11,6 +11,9 @@ import numpy as np
 
 OPS = ("avg", "sum", "prod", "max", "min")
 OUTPUT_MODES = OPS + ("gather", None)
+# an update's mode: combines its slices as an output's; "share" (a training step's
+# gradient) is this rank's share of a mean over the whole batch, for an "avg" over ranks
+UPDATE_MODES = OPS + (None, "share")
 _SCALAR_OP = {"sum": operator.add, "avg": operator.add, "prod": operator.mul}
 UFUNC = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
 

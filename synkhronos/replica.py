@@ -22,6 +22,8 @@ class Replica:
         self.fid, self.f, self.f_s, self.sliceable = fid, f, f_s, sliceable
         self.n_scatter, self.n_bcast, self.n_out = n_scatter, n_bcast, n_out
         self.modes, self.update_vars, self.update_modes = modes, update_vars, update_modes
+        # the update variables of mode "share": a rank's share of the batch's mean (``run``)
+        self.shares = tuple(v for v, m in zip(update_vars, update_modes) if m == "share")
 
     def shareds(self):
         out = list(self.update_vars)
@@ -62,6 +64,8 @@ class Replica:
             if rows is None and self.sliceable:     # whole local sliceable shareds: weight by rows
                 rows = self.sliceable_length(device)
         if rows == 0:
+            if self.shares:             # no rows, no share of the batch's mean
+                me.hold(me.seq, {var: _zeros(device, var) for var in self.shares})
             return None
         def compute():
             if num_slices <= 1 or rows is None:     # every input to the device at once (rows: this rank's)
@@ -73,11 +77,32 @@ class Replica:
         n_out = self.n_out
         news = outs[n_out:]
         if self.update_vars:
+            scale = self._share_scale(me.n, plan, rows) if self.shares else 1.0
+            if scale != 1.0:
+                news = [v * v.dtype.type(scale) if m == "share" else v for v, m in zip(news, self.update_modes)]
             me.hold(me.seq, dict(zip(self.update_vars, news)))
         res = [device.to_host(o) for o in outs[:n_out]]
         if not me.is_master and plan.send is not None:      # outputs the master will not use
             res = [o if plan.send[i] else None for i, o in enumerate(res)]
         return res, (1 if rows is None else rows)
+
+    @staticmethod
+    def _share_scale(n, plan, rows):
+        """What a ``"share"`` update value of a rank with ``rows`` of the call's rows is
+        multiplied by: ``n * rows / (rows of every rank)``, so that the mean over the ranks
+        (a training step's all-reduce) weighs each rank by its rows, as the mean over the
+        whole batch does; 1 where the other ranks' rows are not known here (each rank's
+        own whole sliceable shareds)."""
+        if rows is None:
+            return 1.0
+        if plan.sel_s is not None and any(sel is not None for sel in plan.sel_s):
+            if any(sel is None for sel in plan.sel_s):
+                return 1.0
+            total = sum(sel[2] - sel[1] if sel[0] == "range" else len(sel[1]) for sel in plan.sel_s)
+        else:
+            bounds = plan.rows.bounds
+            total = bounds[-1] - bounds[0]
+        return n * rows / total if total else 1.0
 
     def solo(self, device, arrays, rows, then=(), sel_idx=None):
         """The whole call of a one-rank session, on ``arrays`` (its inputs as they are, no
@@ -199,8 +224,14 @@ class Replica:
             out.append(vals[-1] if mode is None else combine(mode, vals, weights))
         for i, mode in enumerate(self.update_modes, self.n_out):    # new values: on the device
             vals = [p[i] for p in parts]
-            out.append(vals[-1] if mode is None else device.combine(mode, vals, weights))
+            out.append(vals[-1] if mode is None else device.combine("avg" if mode == "share" else mode, vals, weights))
         return out
+
+
+def _zeros(device, var):
+    """Zeros shaped as ``var``'s value on ``device``."""
+    value = device.get(var)
+    return device.to_device(np.zeros(np.shape(value), value.dtype))
 
 
 @functools.lru_cache(maxsize=None)

@@ -611,11 +611,11 @@ def scenario_sigint_storm(target, n, seconds):
             pv, st = steps[op]
             xs = rng.integers(-5, 6, n + k).astype(pv.dtype)
             kp, kg = f"{op}_p", f"{op}_gs"
-            if op == "big":       # each rank's gradient: the sum of its rows; averaged over ranks
+            if op == "big":       # each rank's gradient: the sum of its rows; ranks weigh by rows
                 bb = split(n + k, n)
-                loss = model[kp][0].sum() * sum((bb[r + 1] - bb[r]) * xs[bb[r]:bb[r + 1]].sum()
-                                                for r in range(n)) / (n + k)    # (rows weigh outputs)
-                gs = [np.full(_BIG, np.mean([xs[bb[r]:bb[r + 1]].sum() for r in range(n)]))] * n
+                mean = sum((bb[r + 1] - bb[r]) * xs[bb[r]:bb[r + 1]].sum() for r in range(n)) / (n + k)
+                loss = model[kp][0].sum() * mean
+                gs = [np.full(_BIG, mean)] * n
             else:
                 loss = model[kp][0].sum() + (n == 1) * xs.sum() * model[kp][0][0]
                 gs = [np.array([1.0 + (n == 1) * xs.sum(), 1.0])] * n
@@ -624,7 +624,10 @@ def scenario_sigint_storm(target, n, seconds):
             if ok and abs(out - loss) > 1e-6 * max(1.0, abs(loss)):      # (float32: the loss rounds)
                 mismatch(f"{op} loss", out, loss)
             got = {kp: read(pv), kg: read(st.state_vars[0])}
-            same = (lambda a, b: np.allclose(a, b, rtol=0, atol=1e-9)) if op == "big" else np.array_equal
+            # (uneven shards weigh each rank's gradient by its rows: a scaling that rounds,
+            # in float16 on the fp16 exchange's wire; a step moves the parameters by ~0.5)
+            tol = 2e-3 if op == "fp16" else 1e-9
+            same = lambda a, b: np.allclose(a, b, rtol=0, atol=tol)     # noqa: E731
 
             def holds(state):
                 return all(same(a, b) for k in state for a, b in zip(got[k], state[k]))

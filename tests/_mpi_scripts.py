@@ -556,6 +556,7 @@ def scenario_elastic(ckpt, steps, pause):
 
 if __name__ == "__main__":
     name, args = sys.argv[1], sys.argv[2:]
-    {"features": scenario_features, "sizes": scenario_sizes, "train": scenario_train, "fault": scenario_fault, "step_fails": scenario_step_fails,
+    {"features": scenario_features, "sizes": scenario_sizes, "train": scenario_train, "fault": scenario_fault,
+     "step_fails": scenario_step_fails,
      "ctrl_c_slow": scenario_ctrl_c_slow,
      "ps": scenario_ps, "resume": scenario_resume, "elastic": scenario_elastic}[name](*args)

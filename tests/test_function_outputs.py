@@ -57,10 +57,15 @@ def S(request):
         xu = T.matrix("x", dtype="float32")
         f_upd = synk.function([xu], updates=[(s, T.sum(xu * s, axis=0))])
 
+        # update mode "share" (a gradient's): the rank's mean scaled by its share of the rows
+        sh = theano.shared(np.zeros(3, dtype="float64"), name="sh")
+        xs = T.matrix("x", dtype="float64")
+        f_share = synk.function([xs], updates=[(sh, T.mean(xs, axis=0), "share")])
+
         synk.distribute()
         yield types.SimpleNamespace(n=n, f_red=f_red, serial=serial, g_single=g_single,
                                     g_list=g_list, g_sum=g_sum, g_serial=g_serial, f7=f7,
-                                    f8=f8, s=s, f_upd=f_upd)
+                                    f8=f8, s=s, f_upd=f_upd, sh=sh, f_share=f_share)
     finally:
         synk.close()
 
@@ -260,6 +265,23 @@ def test_updates_apply_locally_docs_example(S):
     S.f_upd.as_theano(X[:m])
     np.testing.assert_array_equal(S.s.get_value(), local)
     S.s.set_value(s_init)
+
+
+@pytest.mark.parametrize("L,num_slices", [(7, 1), (1, 1), (5, 2), (2, 1)])
+def test_share_update_averages_to_the_batch_mean(S, L, num_slices):
+    """Update mode ``'share'``: each rank's value is its mean scaled by ``n * rows / L``
+    (zeros without rows), so that ``synk.all_reduce(op='avg')`` gives the mean over the
+    whole batch however the rows split."""
+    X = np.random.default_rng(L).standard_normal((L, 3))
+    b = [r * L // S.n for r in range(S.n + 1)]        # the documented split: rows r*L//n
+    S.f_share(X, num_slices=num_slices)
+    per_rank = synk.gather(S.sh, nd_up=1)
+    for r in range(S.n):
+        rows = X[b[r]:b[r + 1]]
+        want = rows.mean(axis=0) * S.n * len(rows) / L if len(rows) else np.zeros(3)
+        np.testing.assert_allclose(per_rank[r], want, rtol=1e-12, atol=1e-15, err_msg=f"rank {r}")
+    synk.all_reduce(S.sh, op="avg")
+    np.testing.assert_allclose(S.sh.get_value(), X.mean(axis=0), rtol=1e-12)
 
 
 def test_scalar_broadcast_input(S):

@@ -441,6 +441,25 @@ def test_debug_fingerprints_and_mismatch(debug_arg, monkeypatch, assert_clean):
     assert_clean()
 
 
+def test_update_modes_are_checked_in_the_master(assert_clean):
+    """'share' (a gradient's update mode: it scales) takes a float variable only;
+    'gather' is no update mode; a misspelt mode names the ones there are."""
+    try:
+        synk.fork(1)
+        iv = pytensor.shared(np.zeros(3, dtype="int64"), name="iv")
+        fv = pytensor.shared(np.zeros(3), name="fv")
+        x = T.matrix("x", dtype="float64")
+        with pytest.raises(TypeError, match="float variable"):
+            synk.function([x], updates=[(iv, T.cast(T.sum(x, axis=0), "int64"), "share")])
+        with pytest.raises(ValueError, match="cannot use reduce mode 'gather'"):
+            synk.function([x], updates=[(fv, T.sum(x, axis=0), "gather")])
+        with pytest.raises(ValueError, match="'share'"):
+            synk.function([x], updates=[(fv, T.sum(x, axis=0), "shares")])
+    finally:
+        synk.close()
+    assert_clean()
+
+
 def test_debug_off_by_default(monkeypatch, assert_clean):
     monkeypatch.delenv("SYNK_DEBUG", raising=False)
     try:

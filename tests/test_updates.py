@@ -179,6 +179,8 @@ def session():
         # extra sessions: serial path only; index batch + slices; snapshot/restore
         loss, params = build_model(x, y, "serial")
         steps["serial"] = train.make_train_function(loss, params, [x, y], updates.adam)
+        loss, params = build_model(x, y, "uneven")
+        steps["uneven"] = train.make_train_function(loss, params, [x, y], updates.adam)
         loss, params = build_model(x, y, "sliced")
         steps["sliced"] = train.make_train_function(loss, params, [x, y], updates.momentum,
                                                     learning_rate=0.1)
@@ -262,6 +264,27 @@ def test_index_batch_with_slices_and_restore(session):
     np.testing.assert_allclose(loss, first_loss, rtol=1e-5)
     check_params(step, NumpyRule("momentum", learning_rate=0.1).step(
         [p.astype(np.float64) for p in init_params()], grads))
+
+
+def test_uneven_and_empty_shards_track_serial(session):
+    """Batches that split unevenly over the ranks or leave one without rows (5, 1, 3, 1 and
+    7 rows on 2 ranks, with slices): the all-reduced gradient is the whole batch's, on every
+    rank, as in serial training.  (Each rank's mean gradient was averaged with equal
+    weights: one row gave half the gradient, and the rank without rows added its previous
+    gradient.)"""
+    step = session["uneven"]
+    X, Y = make_data(20, seed=4)
+    ref = [p.astype(np.float64) for p in init_params()]
+    rule = NumpyRule("adam")
+    for rows, slices in ((5, 1), (1, 1), (3, 2), (1, 1), (7, 3)):
+        loss = step(X[:rows], Y[:rows], num_slices=slices)
+        ref_loss, grads = np_loss_grads(ref, X[:rows], Y[:rows])
+        flat = np.concatenate([g.ravel() for g in grads])
+        for r, got in enumerate(synk.gather(step.grad_shared, nd_up=1)):
+            np.testing.assert_allclose(got, flat, rtol=RTOL, atol=ATOL, err_msg=f"{rows} rows: rank {r}")
+        ref = rule.step(ref, grads)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=f"{rows} rows")
+        check_params(step, ref)
 
 
 # ------------------------------------------------------------------------------------------

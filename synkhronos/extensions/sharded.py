@@ -24,6 +24,7 @@ checkpoints store it whole, in rank order, and split it again for any number of 
 stays whole on every rank."""
 import numpy as np
 import pytensor
+import pytensor.tensor as pt
 from pytensor.graph.replace import clone_replace
 from pytensor.scalar import upcast
 
@@ -62,13 +63,20 @@ def flat_rule(update_rule, grad, params_flat, length, name, args, kwargs):
     return outs[0], list(zip([v for v, _ in state], outs[1:]))
 
 
-def sharded_rule(update_rule, loss, params, args, kwargs):
+def sharded_rule(update_rule, loss, params, args, kwargs, rows=None):
     """``(param_updates, sharded_state, state_updates)``: the rule applied to this rank's
-    block of the flattened parameters and of the reduced gradient, the new blocks gathered."""
+    block of the flattened parameters and of the reduced gradient, the new blocks gathered.
+    ``rows`` (this rank's rows of the batch, symbolic): each rank's gradient weighs by it in
+    the mean over ranks, which is then the whole batch's gradient however uneven the shards
+    (one scalar all-reduce more: the rows of every rank); None: equal weights."""
     dtype = upcast(*[p.dtype for p in params])
     N = updates.vars_flat_size(params)
     start, stop = block_bounds(N)
-    g_block = ops.reduce_scatter(updates.flatten_vars(pytensor.grad(loss, params), dtype), op="avg")
+    flat = updates.flatten_vars(pytensor.grad(loss, params), dtype)
+    if rows is not None:
+        mine = pt.cast(rows, "float64")
+        flat = flat * pt.cast(mine * ops.n_ranks() / ops.all_reduce(mine, "sum"), dtype)
+    g_block = ops.reduce_scatter(flat, op="avg")
     p_block = updates.flatten_vars(params, dtype)[start:stop]
     # the state is made whole (N) in the master; distribute() gives each rank its block
     new_block, state_updates = flat_rule(update_rule, g_block, p_block, N, "params_block", args, kwargs)
@@ -127,7 +135,8 @@ class ShardedTrainFunction(TrainFunction):
         if not self._distributed():
             return super().snapshot()
         sharded = {id(v) for v in self.sharded_vars}
-        whole = dict(zip(map(id, self.sharded_vars), _as_tuple(synk.gather(self.sharded_vars, nd_up=0))))
+        gathered = _as_tuple(synk.gather(self.sharded_vars, nd_up=0)) if self.sharded_vars else ()
+        whole = dict(zip(map(id, self.sharded_vars), gathered))    # (a rule without state: none)
         return [np.array(whole[id(v)] if id(v) in sharded else v.get_value(borrow=True), copy=True)
                 for v in self.state_vars]
 
@@ -173,7 +182,8 @@ def make_sharded_train_function(strategy, loss, params, inputs=None, *args, upda
         raise ValueError("shard_updates=True shards the flat gradient vector; sgd_nonflat keeps one "
                          "gradient per parameter: use updates.sgd")
     params = updates.check_params(params)
-    param_updates, sharded, state_updates = sharded_rule(update_rule, loss, params, args, kwargs)
+    rows = inputs[0].shape[0] if inputs else None      # (batch_s alone: every rank weighs the same)
+    param_updates, sharded, state_updates = sharded_rule(update_rule, loss, params, args, kwargs, rows)
     all_inputs = list(inputs) + list(bcast_inputs or [])
     f = synk.function(inputs, outputs=loss, bcast_inputs=bcast_inputs,
                       updates=param_updates + state_updates, givens=givens,

@@ -80,6 +80,13 @@ def _as_var_list(v):
     return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
+def _pairs(updates):
+    """``(variable, value)`` of each update (a dict, pairs, or triples whose mode is
+    dropped)."""
+    items = updates.items() if isinstance(updates, dict) else updates
+    return [(u[0], u[1]) for u in items]
+
+
 def legacy_data_names(fn, inputs, data, named):
     """The original step was ``train_minibatch(x_data, y_data, batch=None)``: accept those
     two keywords for a step with two inputs (unless an input has such a name)."""
@@ -225,7 +232,10 @@ def make_train_function(loss, params, inputs=None, *args, update_rule=None, x=No
                      name=name, **kwargs)
     inputs, update_rule, args = parse_form("make_train_function", inputs, args, update_rule, x, y)
     grad_updates, param_updates, grad_shared = update_rule(loss, params, *args, **kwargs)
-    f_grad = synk.function(inputs, outputs=loss, bcast_inputs=bcast_inputs, updates=grad_updates,
+    # each rank's gradient as its share of the batch's mean (update mode "share"): the
+    # all-reduce's mean over ranks is then the whole batch's gradient, shards uneven or empty
+    shares = [(var, value, "share") for var, value in _pairs(grad_updates)]
+    f_grad = synk.function(inputs, outputs=loss, bcast_inputs=bcast_inputs, updates=shares,
                            givens=givens, sliceable_shareds=sliceable_shareds, name=f"{name}_grad")
     f_update = synk.function([], updates=param_updates, name=f"{name}_update")
     return TrainFunction(f_grad, f_update, grad_shared, params, grad_updates, param_updates,
