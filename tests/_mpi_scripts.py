@@ -181,25 +181,44 @@ def scenario_features(n):
 
 def scenario_sizes(n):
     """Calls whose inputs grow and shrink (the master's staging buffers keep their names
-    while the other host's copies of them are resized): every result against numpy."""
+    while the other host's copies of them are resized), as numpy arrays, as a
+    ``synk.data`` resized in place, with index batches of varying lengths, and ``scatter``
+    of varying sizes: every result against numpy."""
+    import pytensor
     import pytensor.tensor as T
     import synkhronos as synk
     _session(n)
     x = T.matrix("x", dtype="float64")
     f = synk.function([x], [(T.sum(x, axis=0), "sum"), (x * 2, "gather")])
+    v = pytensor.shared(np.zeros((1, 3)), name="v")
+    g = synk.function([], (T.sum(v, axis=0), "sum"))
     synk.distribute()
     rng = np.random.default_rng(5)
     wrong, raised = [], []
-    for rows in (1, 8, 11, 3, 1, 30, 44, 2, 200, 290, 9, 5000, 7000, 12, 1, 0, 40, 7000, 8):
-        data = rng.standard_normal((rows, 3))
-        try:
-            got = f(data)
-        except synk.SynkError as e:
-            raised.append((rows, str(e)[-300:]))
-            continue
-        if not (np.allclose(got[0], data.sum(axis=0), rtol=1e-12, atol=1e-12)
-                and np.array_equal(got[1], data * 2)):
-            wrong.append(rows)
+    d = synk.data(np.zeros((1, 3)))
+    sizes = (1, 8, 11, 3, 1, 30, 44, 2, 200, 290, 9, 5000, 7000, 12, 1, 0, 40, 7000, 8)
+    for how in ("array", "data", "index", "scatter"):
+        for rows in sizes:
+            data = rng.standard_normal((rows, 3))
+            try:
+                if how == "array":
+                    got = f(data)
+                elif how == "data":
+                    d.set_value(data)
+                    got = f(d)
+                elif how == "index":           # (the data: 7000 rows; the batch: `rows` of them)
+                    whole = rng.standard_normal((7000, 3))
+                    idx = rng.permutation(7000)[:rows]
+                    got, data = f(whole, batch=idx), whole[idx]
+                else:                           # every rank's rows of v, summed over ranks
+                    synk.scatter(v, data)
+                    got = [g(), data * 2]
+            except synk.SynkError as e:
+                raised.append((how, rows, str(e)[-300:]))
+                continue
+            if not (np.allclose(got[0], data.sum(axis=0), rtol=1e-12, atol=1e-12)
+                    and np.array_equal(got[1], data * 2)):
+                wrong.append((how, rows))
     synk.close()
     _result(wrong=wrong, raised=raised)
 

@@ -289,6 +289,8 @@ class Agent:
         added to ``resized``, whose mappings the ranks must drop)."""
         handle, dtype, shape = ref
         dtype = np.dtype(dtype)
+        if handle is None:               # no buffer (an empty array): the ranks make their own
+            return np.empty(tuple(shape), dtype)
         nbytes = max(64, int(np.prod(shape)) * dtype.itemsize)
         seg = self.mirrors.get(handle)
         if seg is None or seg.size < nbytes:

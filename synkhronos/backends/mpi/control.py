@@ -104,7 +104,7 @@ class HierControl:
             heads, pays = [], []
             for i, need in enumerate(needs):
                 blk = host_block(need, self.host_ranks[m])
-                if blk is None:
+                if blk is None or need.ref.handle is None:     # (no buffer: an empty array)
                     continue
                 src = self.local.array(need.ref)
                 kind, where = blk
