@@ -192,12 +192,15 @@ def scenario_sizes(n):
     f = synk.function([x], [(T.sum(x, axis=0), "sum"), (x * 2, "gather")])
     v = pytensor.shared(np.zeros((1, 3)), name="v")
     g = synk.function([], (T.sum(v, axis=0), "sum"))
+    bc = T.matrix("b", dtype="float64")
+    h = synk.function([x], (T.sum(x, axis=0) + T.sum(bc, axis=0) / int(n), "sum"), bcast_inputs=[bc])
     synk.distribute()
     rng = np.random.default_rng(5)
     wrong, raised = [], []
     d = synk.data(np.zeros((1, 3)))
     sizes = (1, 8, 11, 3, 1, 30, 44, 2, 200, 290, 9, 5000, 7000, 12, 1, 0, 40, 7000, 8)
-    for how in ("array", "data", "index", "scatter"):
+    n = int(n)
+    for how in ("array", "data", "index", "scatter", "bcast", "set_value"):
         for rows in sizes:
             data = rng.standard_normal((rows, 3))
             try:
@@ -210,8 +213,14 @@ def scenario_sizes(n):
                     whole = rng.standard_normal((7000, 3))
                     idx = rng.permutation(7000)[:rows]
                     got, data = f(whole, batch=idx), whole[idx]
-                else:                           # every rank's rows of v, summed over ranks
+                elif how == "scatter":          # every rank's rows of v, summed over ranks
                     synk.scatter(v, data)
+                    got = [g(), data * 2]
+                elif how == "bcast":            # every rank's sum of b, over n ranks: b's sum
+                    got = [h(np.zeros((n, 3)), data), data * 2]
+                else:                           # the last rank (the other host) holds it all
+                    synk.scatter(v, np.zeros((0, 3)))
+                    synk.set_value(n - 1, v, data)
                     got = [g(), data * 2]
             except synk.SynkError as e:
                 raised.append((how, rows, str(e)[-300:]))

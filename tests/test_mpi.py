@@ -115,7 +115,8 @@ def test_hosts_every_feature(hosts):
 
 def test_hosts_inputs_that_grow_and_shrink(hosts):
     """A function called with inputs of varying sizes, down and up again (arrays, a
-    ``synk.data`` resized in place, index batches, ``scatter``): on the other
+    ``synk.data`` resized in place, index batches, ``scatter``, broadcast inputs,
+    ``set_value``): on the other
     host, the copies of the master's buffers are resized under the same names, and its
     ranks must read the new ones (they kept the old: a call raised, or read the data of an
     earlier call)."""
