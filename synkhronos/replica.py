@@ -65,7 +65,9 @@ class Replica:
                 rows = self.sliceable_length(device)
         if rows == 0:
             if self.shares:             # no rows, no share of the batch's mean
-                me.hold(me.seq, {var: _zeros(device, var) for var in self.shares})
+                with deferred():        # (as a device's product below)
+                    zeros = {var: _zeros(device, var) for var in self.shares}
+                me.hold(me.seq, zeros)
             return None
         def compute():
             if num_slices <= 1 or rows is None:     # every input to the device at once (rows: this rank's)
@@ -78,8 +80,9 @@ class Replica:
         news = outs[n_out:]
         if self.update_vars:
             scale = self._share_scale(me.n, plan, rows) if self.shares else 1.0
-            if scale != 1.0:
-                news = [v * v.dtype.type(scale) if m == "share" else v for v, m in zip(news, self.update_modes)]
+            if scale != 1.0:      # (a device's first product of a shape compiles: an interrupt waits)
+                with deferred():
+                    news = [v * v.dtype.type(scale) if m == "share" else v for v, m in zip(news, self.update_modes)]
             me.hold(me.seq, dict(zip(self.update_vars, news)))
         res = [device.to_host(o) for o in outs[:n_out]]
         if not me.is_master and plan.send is not None:      # outputs the master will not use
