@@ -21,6 +21,7 @@ from pytensor.graph.basic import Variable
 
 import synkhronos as synk
 from synkhronos.compiling import compiling
+from synkhronos.function_args import parse_updates
 from synkhronos.function import call_then, compiled, replica_of
 from synkhronos.session import get_session
 
@@ -78,13 +79,6 @@ _parse_form = parse_form          # (its former name, used by tests/test_updates
 
 def _as_var_list(v):
     return list(v) if isinstance(v, (list, tuple)) else [v]
-
-
-def _pairs(updates):
-    """``(variable, value)`` of each update (a dict, pairs, or triples whose mode is
-    dropped)."""
-    items = updates.items() if isinstance(updates, dict) else updates
-    return [(u[0], u[1]) for u in items]
 
 
 def legacy_data_names(fn, inputs, data, named):
@@ -234,7 +228,7 @@ def make_train_function(loss, params, inputs=None, *args, update_rule=None, x=No
     grad_updates, param_updates, grad_shared = update_rule(loss, params, *args, **kwargs)
     # each rank's gradient as its share of the batch's mean (update mode "share"): the
     # all-reduce's mean over ranks is then the whole batch's gradient, shards uneven or empty
-    shares = [(var, value, "share") for var, value in _pairs(grad_updates)]
+    shares = [(var, value, "share") for var, value, _ in parse_updates(grad_updates)]
     f_grad = synk.function(inputs, outputs=loss, bcast_inputs=bcast_inputs, updates=shares,
                            givens=givens, sliceable_shareds=sliceable_shareds, name=f"{name}_grad")
     f_update = synk.function([], updates=param_updates, name=f"{name}_update")
