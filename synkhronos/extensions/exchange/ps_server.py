@@ -26,7 +26,9 @@ class Server:
         if not (isinstance(g, np.ndarray) and g.flags.writeable and g.flags.c_contiguous and g.size == ps.size):
             g = np.zeros(ps.size, ps.dtype)
             dev.set(ps.grad_shared, g)
-        self.grad = g
+        # a gradient arrives into the variable's own memory where the device keeps host
+        # arrays as they are; a device that copies (JAX) is given each gradient instead
+        self.grad = g if dev.get(ps.grad_shared) is g else None
         self.pieces = []
         off = 0
         for p in ps.params:
@@ -101,7 +103,10 @@ class Server:
                     reported_slow.discard(r)
                     apply = staleness <= ps.max_staleness and (self.steps is None or res.applied < self.steps)
                     if apply:
-                        np.copyto(self.grad, ch.up(r, ps.dtype, ps.size))
+                        if self.grad is not None:
+                            np.copyto(self.grad, ch.up(r, ps.dtype, ps.size))
+                        else:
+                            self.dev.set(ps.grad_shared, ch.up(r, ps.dtype, ps.size))    # (a copy)
                         new = self.rep.f()
                         for var, val in zip(self.rep.update_vars, new):
                             self.dev.set(var, val)
