@@ -111,6 +111,26 @@ class Lag(Op):
         output_storage[0][0] = np.array(inputs[0], copy=True)
 
 
+def _register_jax():
+    """JAX conversions of ``Fault`` and ``Lag`` (their ``perform`` as a host callback), so
+    that the same faults run on JAX ranks: when this process runs JAX (a JAX rank, or a
+    master with ``SYNK_MODE=JAX``)."""
+    if not ("jax" in sys.modules or os.environ.get("SYNK_MODE", "").strip().upper() == "JAX"):
+        return
+    import jax
+    from pytensor.link.jax.dispatch import jax_funcify
+
+    def as_callback(op, **kwargs):
+        def host(x):
+            x = np.asarray(x)
+            out = [[None]]
+            op.perform(None, [x], out)
+            return np.asarray(out[0][0], x.dtype)
+        return lambda x: jax.pure_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    jax_funcify.register(Fault)(as_callback)
+    jax_funcify.register(Lag)(as_callback)
+
+
 class AtExit(Op):
     """In a worker: registers an exit handler that writes ``<SYNK_TEST_EXIT_DIR>/rank<r>``
     and leaves a line in stdout's buffer (not flushed): what a worker's exit must
@@ -130,6 +150,9 @@ class AtExit(Op):
             atexit.register(lambda: open(path, "w").close())
             sys.stdout.write(f"unflushed words of rank {r}\n")   # a pipe: block-buffered
         output_storage[0][0] = np.array(inputs[0], copy=True)
+
+
+_register_jax()
 
 
 def quiet():

@@ -169,12 +169,18 @@ def scenario_features(n):
     # a variable that keeps growing: the host buffers between hosts are replaced, and the
     # replaced ones must be unmapped (a deleted segment still mapped keeps its memory)
     from synk_testutil import deleted_mappings
-    mapped = deleted_mappings()
+    mapped, held = deleted_mappings(), []
     for size in (1 << 14, 1 << 16, 1 << 18, 1 << 19):
         synk.broadcast(v, np.ones(size))
         synk.all_reduce(v, op="sum")
+        held.append(max(0, deleted_mappings() - mapped))
     ck.close("all_reduce of a grown variable", synk.get_value(n - 1, v), np.full(1 << 19, float(n)))
-    ck.equal("replaced host buffers unmapped", max(0, deleted_mappings() - mapped), 0)
+    if synk.session_info().device.startswith(f"{n} JAX"):
+        # JAX ranks keep device copies, not the slots: the master still maps the slot its
+        # host's other rank published last (a peer's current buffer), never an older one
+        ck.equal("replaced host buffers unmapped (at most the current one)", max(held) <= 1, True)
+    else:
+        ck.equal("replaced host buffers unmapped", held[-1], 0)
     synk.close()
     _result(checks=ck.n, failed=ck.failed, n=n, hosts=sorted({r.host for r in info.ranks}))
 

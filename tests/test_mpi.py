@@ -101,12 +101,18 @@ def hosts():
         yield h
 
 
-def run_hosts(hosts, *args, timeout=120):
-    return _run_hosts(hosts, "_mpi_scripts.py", *args, timeout=timeout)
+def run_hosts(hosts, *args, timeout=120, env=None):
+    return _run_hosts(hosts, "_mpi_scripts.py", *args, timeout=timeout, env=env)
 
 
-def test_hosts_every_feature(hosts):
-    p, info, res = run_hosts(hosts, "features", "4")
+# the ranks' backend of a two-host test: numba, or PyTensor's JAX backend on CPU ranks (the
+# scenario's own master and every rank of both hosts)
+RANKS = [pytest.param(None, id="numba"), pytest.param({"SYNK_MODE": "JAX"}, id="JAX")]
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+def test_hosts_every_feature(hosts, ranks):
+    p, info, res = run_hosts(hosts, "features", "4", env=ranks)
     assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
     assert info["hosts"] == ["hA", "hB"] and [h for _, h, _ in info["ranks"]] == ["hA", "hA", "hB", "hB"]
     assert res["failed"] == [], res["failed"]
@@ -133,9 +139,10 @@ def test_hosts_training_equals_serial(hosts):
     assert_hosts_clean(hosts)
 
 
-@pytest.mark.parametrize("what,exc", [("kill", "WorkerDied"), ("stop", "WorkerStopped")])
-def test_hosts_rank_lost_on_the_other_host(hosts, what, exc):
-    p, info, res = run_hosts(hosts, "fault", "4", what)
+@pytest.mark.parametrize("what,exc,ranks", [("kill", "WorkerDied", None), ("stop", "WorkerStopped", None),
+                                            pytest.param("kill", "WorkerDied", {"SYNK_MODE": "JAX"}, id="kill-JAX")])
+def test_hosts_rank_lost_on_the_other_host(hosts, what, exc, ranks):
+    p, info, res = run_hosts(hosts, "fault", "4", what, env=ranks)
     assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
     assert res["raised"] == exc and res["rank"] == 3 and res["host"] == "hB", res
     assert "rank 3 on host hB" in res["message"] and res["seconds"] < 5.0
@@ -150,12 +157,13 @@ def test_hosts_rank_lost_on_the_other_host(hosts, what, exc):
     assert_hosts_clean(hosts)
 
 
-def test_hosts_sigint_storm(hosts):
+@pytest.mark.parametrize("ranks", [RANKS[0], pytest.param(RANKS[1].values[0], id="JAX", marks=pytest.mark.slow)])
+def test_hosts_sigint_storm(hosts, ranks):
     """test_faults' SIGINT storm on 4 ranks over two hosts: calls, training steps (plain,
     fp16, and a gradient that lies in the shared-memory slots) and collectives interrupted
     at random instants; every completed result right, every interrupted one all or nothing
     on every rank of both hosts, nothing left on either host."""
-    p, info, res = _run_hosts(hosts, "_fault_scripts.py", "sigint_storm", "200", "4", "150", timeout=300)
+    p, info, res = _run_hosts(hosts, "_fault_scripts.py", "sigint_storm", "200", "4", "150", timeout=300, env=ranks)
     assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
     assert res["interrupts"] >= 200 and res["completed"] > 100, res
     assert res["mismatches"] == [], res["mismatches"]
@@ -175,12 +183,14 @@ def test_hosts_step_fails_on_the_other_host(hosts):
     assert_hosts_clean(hosts)
 
 
-def test_hosts_parameter_server(hosts):
+@pytest.mark.parametrize("ranks", RANKS)
+def test_hosts_parameter_server(hosts, ranks):
     """The asynchronous parameter server with workers on both hosts (rank 1 on the master's
-    host, ranks 2 and 3 on the other, rank 3 slowed): it trains, every applied gradient is
+    host, ranks 2 and 3 on the other, rank 3 slowed): it trains (on JAX ranks it once did
+    not: every gradient "applied", the weights never moved), every applied gradient is
     within the staleness bound, the counts add up, the slow worker stalls nobody, each
     gradient and each answer crosses between the hosts once, Ctrl-C stops a run."""
-    p, info, res = run_hosts(hosts, "ps", "4", "run")
+    p, info, res = run_hosts(hosts, "ps", "4", "run", env=ranks)
     assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
     assert res["remote"] == [2, 3] and res["slow_rank"] == 3
     per = {int(r): v for r, v in res["per_rank"].items()}

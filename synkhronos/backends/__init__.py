@@ -130,7 +130,8 @@ def _local_master(spec):
 
 def _comm_stack(host_comm, device, rank, n, master_rank, control):
     """A rank's comms: for a device that keeps arrays on itself, XLA's collectives (if its
-    session uses them), then the host-staged path; then the host's."""
+    session uses them), then the host-staged path; then the host's (``shm``, or ``hier``
+    across hosts, where XLA's collectives are never used)."""
     if device.placement == "host":
         return CommStack([host_comm])
     impls, front = [], None
@@ -149,6 +150,9 @@ def _mpi_master(spec):
     firsts = [sum(sizes[:m]) for m in range(w.size)]
     host_ranks = {m: range(firsts[m], firsts[m] + sizes[m]) for m in range(w.size)}
     k0 = sizes[0]
+    device = spec.topology.device
+    if device.placement != "host":             # JAX ranks: their arrays through the hosts (before config())
+        device.plan_comm(0, spec.check, several_hosts=True)
     prefix = segments.new_prefix()
     waiter = spec.waiter
     waiter.TICK = mpi_world.POLL               # messages from other hosts do not wake a sleeper:
@@ -157,11 +161,11 @@ def _mpi_master(spec):
     hub = Hub(w, HostView(host0), list(range(1, w.size)))
     waiter.service = hub.service
     launcher = implementation("launcher", "mpi")(implementation("launcher", "subprocess")(), hub, [])
-    mpi_hosts.start_agents(sizes, dict(spec.worker_settings, n=spec.topology.device.n, master_rank=0),
-                           spec.topology.device.config())
+    mpi_hosts.start_agents(sizes, dict(spec.worker_settings, n=device.n, master_rank=0), device.config())
     coll = Collectives(w, lambda: (hub.service(), hub.check()))
     control = implementation("control", "mpi")(w, host0, hub, host_ranks, waiter, coll)
-    comm = CommStack([implementation("comm", "hier")(prefix, 0, host0, True, 0, sizes, 0, w=w, coll=coll)])
+    hier = implementation("comm", "hier")(prefix, 0, host0, True, 0, sizes, 0, w=w, coll=coll)
+    comm = _comm_stack(hier, device, 0, device.n, 0, control)
     hub.hosts = hosts
     pid = os.getpid()
 
@@ -184,11 +188,12 @@ def attach_control(cfg, rank, waiter):
 
 def attach_comm(cfg, rank, control, device):
     """A worker's comm stack (``device``: the worker's, ``make_device(cfg["device"], n)``)."""
-    if cfg["topology"] == "mpi":
-        return CommStack([implementation("comm", "hier")(cfg["prefix"], cfg["slot"], control, False,
-                                                         cfg["host_index"], cfg["host_sizes"], cfg["rank"])])
     n, master = cfg["n"], cfg["master_rank"]
-    host_comm = implementation("comm", "shm")(cfg["prefix"], rank, n, control, create=False)
+    if cfg["topology"] == "mpi":
+        host_comm = implementation("comm", "hier")(cfg["prefix"], cfg["slot"], control, False,
+                                                   cfg["host_index"], cfg["host_sizes"], cfg["rank"])
+    else:
+        host_comm = implementation("comm", "shm")(cfg["prefix"], rank, n, control, create=False)
     return _comm_stack(host_comm, device, rank, n, master, control)
 
 

@@ -157,11 +157,13 @@ class JaxDevice:
                 "matmul_precision": self.matmul_precision, "reduce_on_device": self.reduce_on_device}
 
     # ---- the session's collectives (decided in the master, before workers start) -------------
-    def plan_comm(self, master_rank, alive=None, timeout=None):
+    def plan_comm(self, master_rank, alive=None, timeout=None, several_hosts=False):
         """Decide how collectives of device arrays run: True for XLA's collectives (sets up
         what every process needs to join ``jax.distributed``), False for the host-staged
         path (``why_staged`` says why).  ``alive()`` raises when a worker is gone (the
-        master checks it while it waits for JAX's start)."""
+        master checks it while it waits for JAX's start).  ``several_hosts``: the ranks are
+        on several hosts (``mpiexec``): always the host path (each host's shared memory, MPI
+        between the hosts)."""
         self.master_rank = master_rank
         self.alive = alive
         try:
@@ -175,7 +177,9 @@ class JaxDevice:
         if want not in (None, "xla", "staged"):
             raise ValueError(f"SYNK_JAX_COMM={want!r} must be 'xla' or 'staged'")
         why = None
-        if self.n == 1:
+        if several_hosts:
+            why = "ranks on several hosts: collectives go through each host's memory and MPI"
+        elif self.n == 1:
             why = "one rank: no collective needs NCCL"
         elif want == "staged":
             why = "SYNK_JAX_COMM=staged"
@@ -391,6 +395,9 @@ class JaxDevice:
             return (f"{self.n} GPU rank(s) (GPU {', '.join(self.gpus)}), PyTensor JAX backend, {comm}"
                     f"{runtime.precision_note(self.matmul_precision)}")
         comm = "XLA gloo collectives" if self.xla else f"shared-memory collectives{adds}"
+        if self.local_n != self.n:         # (under mpiexec: this host's ranks share its cores)
+            return (f"{self.n} JAX CPU rank(s), {self.local_n} on this host's {self.cores} usable cores, "
+                    f"{self.threads} thread(s) each, shared-memory collectives on each host, MPI between hosts")
         return (f"{self.n} JAX CPU rank(s) on {self.cores} usable cores, {self.threads} thread(s) each, "
                 f"{comm}")
 
