@@ -588,9 +588,51 @@ def scenario_elastic(ckpt, steps, pause):
     _result(losses=state.losses, params=params, started_at=started_at)
 
 
+def scenario_in_graph(n):
+    """test_ops' in-graph collectives (``synkhronos.ops``: values, the summed cost and its
+    gradients against the serial graph) on ranks of several hosts, unequal shards, plus a
+    shape mismatch between ranks (raised, the session goes on) and the ranks' own ids."""
+    import pytensor
+    import pytensor.tensor as T
+    import synkhronos as synk
+    from synkhronos import ops
+    import test_ops as to
+    info = _session(n)
+    n = info.n
+    ck = Checks()
+    rng = np.random.default_rng(7)
+    v = to.symbols()
+    v.w = pytensor.shared(rng.uniform(0.5, 1.5, to.D), name="w")
+    fs = {name: to.build(v, name) for name in to.CASES}
+    x = v.x
+    mismatch = synk.function([x], (T.sum(ops.all_reduce(x.sum(axis=1))), "sum"))
+    ids = synk.function([x], (T.stack([ops.this_rank(), ops.n_ranks()]), "gather"), on_unused_input="ignore")
+    synk.distribute()
+    counts = np.zeros(n, np.int64)
+    for i in range(to.M):                     # reduce_scatter counts: M rows, uneven, a zero among them
+        counts[(2 * i) % n] += 1
+    data = (rng.standard_normal((to.N, to.D)), rng.standard_normal(to.D), rng.standard_normal((to.M, to.D)),
+            rng.standard_normal((to.N, to.D)), counts)
+    for name in to.CASES:
+        got = fs[name](*data)
+        want = to.serial_fn(v, name, n)(*data)
+        for g, e, what in zip(got, want, ["J", "dJ/dw", "dJ/dx", "value"]):
+            ck.close(f"{name}: {what}", g, e)
+    try:
+        mismatch(data[0])
+        ck.equal("a shape mismatch between ranks raises", "no error", "an error")
+    except Exception as e:                   # (every rank raised; the master reports it)
+        ck.equal("a shape mismatch names the shapes", "shape" in str(e), True)
+    ck.equal("rank ids", np.asarray(ids(data[0])).reshape(-1, 2).tolist(), [[r, n] for r in range(n)])
+    got = fs["all_reduce_sum"](*data)                # (the session goes on)
+    ck.close("after the mismatch", got[0], to.serial_fn(v, "all_reduce_sum", n)(*data)[0])
+    synk.close()
+    _result(failed=ck.failed, checks=ck.n, counts=counts.tolist())
+
+
 if __name__ == "__main__":
     name, args = sys.argv[1], sys.argv[2:]
     {"features": scenario_features, "sizes": scenario_sizes, "train": scenario_train, "fault": scenario_fault,
-     "step_fails": scenario_step_fails,
+     "step_fails": scenario_step_fails, "in_graph": scenario_in_graph,
      "ctrl_c_slow": scenario_ctrl_c_slow,
      "ps": scenario_ps, "resume": scenario_resume, "elastic": scenario_elastic}[name](*args)

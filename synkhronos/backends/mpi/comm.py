@@ -270,34 +270,49 @@ class HierComm:
             half.reduce_into(op, parts, [out.reshape(-1)], 0, count, scale=1.0 / self.n)
 
     def broadcast(self, items, root, fence=True):
-        if root != 0:
-            raise ValueError("between hosts, broadcast comes from the master (rank 0)")
-        if self.grank == 0:
+        root_host, first = self._host_of(root)
+        if self.grank == root:
             for key, arr, dtype in items:
                 self.slots.publish(key, np.asarray(arr, dtype=dtype))
-        shapes = self._mpi(("allgather", [self.slots.shape(k, self.slot) for k, _, _ in items]
-                            if self.grank == 0 else None))[0]
+        here = self.host_index == root_host
+        # the root's host's first rank reads the root's shapes after a meeting of the host;
+        # every host meets alike (a command's meetings and votes are counted alike on every
+        # host: one meeting more on one host would pair its votes with the wrong ones)
+        if root != first:
+            self.ctl.host_barrier()
+        rslot = self.members[root - first] if here else None
+        shapes = self._mpi(("allgather", [self.slots.shape(k, rslot) for k, _, _ in items]
+                            if here and self.pos == 0 else None))[root_host]
         plans = []
         for (key, _, dtype), shape in zip(items, shapes):
             dtype = np.dtype(dtype)
             count = int(np.prod(shape))
             hbuf, hname = self._host_buffer(key, "b", dtype, count)
-            mine = (self.slots.view(key, self.slot, dtype) if self.grank == 0 else
+            mine = (self.slots.view(key, self.slot, dtype) if self.grank == root else
                     self.slots.stage(key, dtype, tuple(shape), reuse_lent=True))
             plans.append((key, dtype, tuple(shape), count, hbuf, hname, mine))
         self._commit()
         out = []
         for key, dtype, shape, count, hbuf, hname, mine in plans:
-            if self.grank == 0:
+            if self.grank == root:
                 np.copyto(hbuf, mine.reshape(-1))
             self.ctl.host_barrier()
-            self._mpi(("bcast", hname, dtype.str, count))
-            if self.grank != 0:
+            self._mpi(("bcast", hname, dtype.str, count, root_host))
+            if self.grank != root:
                 np.copyto(mine.reshape(-1), hbuf)
             self.slots.lend(key)
             out.append(mine.reshape(shape))
         self.ctl.host_barrier()
         return out
+
+    def _host_of(self, grank):
+        """(index of the host of global rank ``grank``, that host's first global rank)."""
+        first = 0
+        for h, k in enumerate(self.host_sizes):
+            if grank < first + k:
+                return h, first
+            first += k
+        raise ValueError(f"collective root {grank} is not a rank (the session has {self.n})")
 
     def _gather_all(self, items):
         """Every rank's array of each item, on every rank: [[array per global rank] per item]."""

@@ -103,9 +103,9 @@ class Pending:
             self.req = comm.Iallreduce(MPI.IN_PLACE, buf, op=op)
             self.keep = [buf]
         elif self.kind == "bcast":
-            _, name, dtype, count = req
+            _, name, dtype, count, root = req          # (root: the index of the root's host)
             buf = host_array(name, dtype, count)
-            self.req = comm.Ibcast(buf, root=0)
+            self.req = comm.Ibcast(buf, root=root)
             self.keep = [buf]
         elif self.kind == "allgatherv":
             _, name, dtype, counts, out_name = req
