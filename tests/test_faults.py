@@ -1012,6 +1012,8 @@ def test_ranks_waiting_in_graph_wake_when_a_late_rank_arrives():
             t = time.perf_counter()
             assert f(x) == 4 * x.sum()
             times.append(time.perf_counter() - t)
-        assert np.median(times[2:]) < 0.012, f"calls took {np.round(np.array(times) * 1e3, 1)} ms"
+        # without the wake-up every call waits for the sleepers' 20 ms tick; the fastest call
+        # shows it (a median also counts the calls a loaded machine delays: 12.8 ms once in CI)
+        assert min(times[2:]) < 0.012, f"calls took {np.round(np.array(times) * 1e3, 1)} ms"
     finally:
         synk.close()
