@@ -588,6 +588,12 @@ def scenario_elastic(ckpt, steps, pause):
     _result(losses=state.losses, params=params, started_at=started_at)
 
 
+# test_ops' cases run across hosts: every verb once, roots other than the master's (each
+# case compiles in every rank: the whole list took 40 s on numba, 58 s on JAX ranks)
+HOST_OPS = ("all_reduce_sum", "all_reduce_max", "all_gather", "reduce_scatter_sum_counts", "broadcast_1",
+            "reduce_sum_1")
+
+
 def scenario_in_graph(n):
     """test_ops' in-graph collectives (``synkhronos.ops``: values, the summed cost and its
     gradients against the serial graph) on ranks of several hosts, unequal shards, plus a
@@ -603,7 +609,7 @@ def scenario_in_graph(n):
     rng = np.random.default_rng(7)
     v = to.symbols()
     v.w = pytensor.shared(rng.uniform(0.5, 1.5, to.D), name="w")
-    fs = {name: to.build(v, name) for name in to.CASES}
+    fs = {name: to.build(v, name) for name in HOST_OPS}
     x = v.x
     mismatch = synk.function([x], (T.sum(ops.all_reduce(x.sum(axis=1))), "sum"))
     ids = synk.function([x], (T.stack([ops.this_rank(), ops.n_ranks()]), "gather"), on_unused_input="ignore")
@@ -613,7 +619,7 @@ def scenario_in_graph(n):
         counts[(2 * i) % n] += 1
     data = (rng.standard_normal((to.N, to.D)), rng.standard_normal(to.D), rng.standard_normal((to.M, to.D)),
             rng.standard_normal((to.N, to.D)), counts)
-    for name in to.CASES:
+    for name in HOST_OPS:
         got = fs[name](*data)
         want = to.serial_fn(v, name, n)(*data)
         for g, e, what in zip(got, want, ["J", "dJ/dw", "dJ/dx", "value"]):

@@ -122,11 +122,12 @@ def test_hosts_every_feature(hosts, ranks):
 @pytest.mark.parametrize("ranks", RANKS)
 def test_hosts_in_graph_collectives(hosts, ranks):
     """``synkhronos.ops`` inside graphs run by ranks of two hosts (4 ranks, 7 rows: unequal
-    shards): every collective's value, the summed cost and its gradients equal the serial
-    graph's; a shape mismatch between the hosts' ranks raises and the session goes on."""
+    shards): every verb's value, the summed cost and its gradients equal the serial graph's,
+    roots other than rank 0 included (a broadcast from rank 1 was refused between hosts); a
+    shape mismatch between the hosts' ranks raises and the session goes on."""
     p, info, res = run_hosts(hosts, "in_graph", "4", env=ranks)
     assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
-    assert res["failed"] == [] and res["checks"] > 50, res
+    assert res["failed"] == [] and res["checks"] >= 25, res
     assert_hosts_clean(hosts)
 
 
