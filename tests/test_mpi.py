@@ -270,13 +270,18 @@ def test_hosts_uncaught_exception_ends_the_job(hosts):
     assert_hosts_clean(hosts)
 
 
-def test_hosts_refused_fork_ends_the_job_cleanly(hosts):
-    """``synk.fork()`` refused in the master under mpiexec (fewer ranks than hosts): the
-    error is printed, the agents are told to exit, the job ends, and no host keeps anything
-    (MPICH's own files included: no MPI_Abort)."""
+@pytest.mark.parametrize("n,env,says", [
+    ("1", None, "is less than the 2 MPI processes"),
+    ("4", {"SYNK_MODE": "JAX", "SYNK_JAX_COMM": "xla"}, "XLA's collectives cannot be used: ranks on several hosts")],
+    ids=["too-few-ranks", "JAX-xla-between-hosts"])
+def test_hosts_refused_fork_ends_the_job_cleanly(hosts, n, env, says):
+    """``synk.fork()`` refused in the master under mpiexec (fewer ranks than hosts; XLA's
+    collectives asked for between hosts): the error is printed, the agents are told to
+    exit, the job ends, and no host keeps anything (MPICH's own files included: no
+    MPI_Abort)."""
     t0 = time.monotonic()
-    p, info, res = run_hosts(hosts, "fault", "1", "fork_error", timeout=60)
-    assert p.returncode != 0 and "is less than the 2 MPI processes" in p.stdout + p.stderr
+    p, info, res = run_hosts(hosts, "fault", n, "fork_error", timeout=60, env=env)
+    assert p.returncode != 0 and says in p.stdout + p.stderr, (p.stdout + p.stderr)[-2000:]
     assert time.monotonic() - t0 < 30
     assert_hosts_clean(hosts)
 
