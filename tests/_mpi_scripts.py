@@ -594,6 +594,29 @@ HOST_OPS = ("all_reduce_sum", "all_reduce_max", "all_gather", "reduce_scatter_su
             "reduce_sum_1")
 
 
+def scenario_root_lost(n, root, what):
+    """An in-graph ``broadcast(x, root)`` whose root is killed / frozen while the other ranks
+    wait for it in the broadcast (its share sleeps first); then a shared variable's
+    broadcast from that root after the error is refused cleanly (the session is closed)."""
+    import pytensor.tensor as T
+    import synkhronos as synk
+    from synkhronos import ops
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _fault_scripts as fs
+    fs.quiet()
+    info = _session(n)
+    root = int(root)
+    x = T.vector("x", dtype="float64")
+    f = synk.function([x], (T.sum(ops.broadcast(fs.Fault("sleep")(x), root=root)), "sum"))
+    synk.distribute()
+    data = np.arange(float(2 * info.n))
+    assert abs(f(data) - info.n * float(np.sum(data[2 * root:2 * root + 2]))) < 1e-9
+    res = {}
+    _lose_rank(info.ranks[root], what, 0.5, lambda: f(fs.with_trigger(data, root, info.n)), res)
+    synk.close()
+    _result(**res)
+
+
 def scenario_in_graph(n):
     """test_ops' in-graph collectives (``synkhronos.ops``: values, the summed cost and its
     gradients against the serial graph) on ranks of several hosts, unequal shards, plus a
@@ -640,5 +663,5 @@ if __name__ == "__main__":
     name, args = sys.argv[1], sys.argv[2:]
     {"features": scenario_features, "sizes": scenario_sizes, "train": scenario_train, "fault": scenario_fault,
      "step_fails": scenario_step_fails, "in_graph": scenario_in_graph,
-     "ctrl_c_slow": scenario_ctrl_c_slow,
+     "ctrl_c_slow": scenario_ctrl_c_slow, "root_lost": scenario_root_lost,
      "ps": scenario_ps, "resume": scenario_resume, "elastic": scenario_elastic}[name](*args)

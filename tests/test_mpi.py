@@ -169,6 +169,18 @@ def test_hosts_rank_lost_on_the_other_host(hosts, what, exc, ranks):
     assert_hosts_clean(hosts)
 
 
+def test_hosts_broadcast_root_lost(hosts):
+    """The root of an in-graph broadcast (rank 3: not the first rank of the other host) is
+    killed while every other rank waits for it inside the broadcast: WorkerDied naming it at
+    once, the session closed on both hosts, nothing left (roots 1 and 2, SIGSTOP and JAX
+    ranks pass too, by hand)."""
+    p, info, res = run_hosts(hosts, "root_lost", "4", "3", "kill")
+    assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
+    assert res["raised"] == "WorkerDied" and res["rank"] == 3 and res["host"] == "hB", res
+    assert res["seconds"] < 5.0 and not res["open_after"], res
+    assert_hosts_clean(hosts)
+
+
 @pytest.mark.parametrize("ranks", [RANKS[0], pytest.param(RANKS[1].values[0], id="JAX", marks=pytest.mark.slow)])
 def test_hosts_sigint_storm(hosts, ranks):
     """test_faults' SIGINT storm on 4 ranks over two hosts: calls, training steps (plain,
