@@ -26,7 +26,7 @@ from mpi_testutil import assert_hosts_clean, mpi_missing, parse, run_hosts, simh
 
 pytestmark = pytest.mark.skipif(mpi_missing() is not None, reason=str(mpi_missing()))
 
-RUNS_SHORT = 8
+RUNS_SHORT = 5
 
 
 @pytest.fixture(scope="module")

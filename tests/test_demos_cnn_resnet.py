@@ -57,7 +57,8 @@ def run_demo(script, *args, backend="numba"):
     return out, acc
 
 
-@pytest.mark.parametrize("backend,pattern", [("numba", "batch"), ("numba", "scatter"), ("JAX", "batch")])
+@pytest.mark.parametrize("backend,pattern", [pytest.param("numba", "batch", marks=pytest.mark.slow),
+                                             ("numba", "scatter"), ("JAX", "batch")])
 def test_mnist_cnn_one_short_epoch(backend, pattern):
     out, acc = run_demo("mnist_cnn.py", "--max-steps", "12", "--batch-size", "64", "--channels", "8",
                         "--hidden", "32", "--learning-rate", "0.02", "--data-pattern", pattern,

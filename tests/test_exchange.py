@@ -692,7 +692,7 @@ def _mpiexec():
 
 
 @pytest.mark.skipif(_mpiexec() is None, reason="mpiexec/mpi4py not installed (pip install 'synkhronos[mpi]')")
-@pytest.mark.parametrize("nprocs,n", [(2, 3), (3, 3)])
+@pytest.mark.parametrize("nprocs,n", [(2, 3), pytest.param(3, 3, marks=pytest.mark.slow)])
 def test_across_hosts(nprocs, n):
     """float16 travels as float16 between hosts (within its bound of numpy on every rank,
     several ranks on a host or one), the fp16 exchange and EASGD work (and the fp16 exchange

@@ -220,7 +220,7 @@ SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck), print_bl
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
-@settings(max_examples=3, phases=[Phase.explicit, Phase.reuse, Phase.generate], **SETTINGS)
+@settings(max_examples=2, phases=[Phase.explicit, Phase.reuse, Phase.generate], **SETTINGS)
 @given(data=st.data(), specs=st.lists(graph_specs, min_size=1, max_size=2))
 def test_fuzz_short(n, data, specs):
     run_example(data, n, specs)

@@ -34,7 +34,7 @@ def run(scenario, n=2, timeout=120, env=None):
     return results[-1] if results else None
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_values_against_numpy(n):
     res = run("values", n)
     assert res["checked"] == 40
@@ -58,7 +58,7 @@ ONE_PROGRAM = {"all_reduce_sum", "all_reduce_avg", "all_reduce_max", "all_reduce
                "reduce_sum_0", "reduce_max_0", "reduce_sum_1", "max_tie"}
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_in_graph_collectives_as_one_program(n, tmp_path):
     """Every in-graph collective's values and gradients equal the serial graph's, as one XLA
     program per call on even shards (each rank's timeline shows it, once per case: the

@@ -36,7 +36,7 @@ def run_local(nprocs, *args, timeout=120):
 
 # ---- localhost ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("nprocs,n", [(2, 3), (2, 4), (3, 5)])
+@pytest.mark.parametrize("nprocs,n", [pytest.param(2, 3, marks=pytest.mark.slow), (2, 4), (3, 5)])
 def test_local_every_feature(nprocs, n):
     p, info, res = run_local(nprocs, "features", str(n))
     assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
@@ -65,7 +65,8 @@ def test_hosts_sharded_updates_equal_serial(hosts):
     assert_hosts_clean(hosts)
 
 
-@pytest.mark.parametrize("what,exc", [("kill", "WorkerDied"), ("stop", "WorkerStopped")])
+@pytest.mark.parametrize("what,exc", [("kill", "WorkerDied"),
+                                      pytest.param("stop", "WorkerStopped", marks=pytest.mark.slow)])
 def test_local_rank_lost_in_another_group(what, exc):
     p, info, res = run_local(2, "fault", "4", what)
     assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
@@ -152,7 +153,8 @@ def test_hosts_training_equals_serial(hosts):
 
 
 @pytest.mark.parametrize("what,exc,ranks", [("kill", "WorkerDied", None), ("stop", "WorkerStopped", None),
-                                            pytest.param("kill", "WorkerDied", {"SYNK_MODE": "JAX"}, id="kill-JAX")])
+                                            pytest.param("kill", "WorkerDied", {"SYNK_MODE": "JAX"}, id="kill-JAX",
+                                                         marks=pytest.mark.slow)])
 def test_hosts_rank_lost_on_the_other_host(hosts, what, exc, ranks):
     p, info, res = run_hosts(hosts, "fault", "4", what, env=ranks)
     assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
@@ -187,9 +189,9 @@ def test_hosts_sigint_storm(hosts, ranks):
     fp16, and a gradient that lies in the shared-memory slots) and collectives interrupted
     at random instants; every completed result right, every interrupted one all or nothing
     on every rank of both hosts, nothing left on either host."""
-    p, info, res = _run_hosts(hosts, "_fault_scripts.py", "sigint_storm", "200", "4", "150", timeout=300, env=ranks)
+    p, info, res = _run_hosts(hosts, "_fault_scripts.py", "sigint_storm", "100", "4", "150", timeout=300, env=ranks)
     assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
-    assert res["interrupts"] >= 200 and res["completed"] > 100, res
+    assert res["interrupts"] >= 100 and res["completed"] > 20, res        # (the delays adapt: ~25-50 at 100)
     assert res["mismatches"] == [], res["mismatches"]
     assert res["inconsistent"] == [], res["inconsistent"]
     assert res["final_f"] == 45.0 and res["left"] == []
@@ -207,7 +209,7 @@ def test_hosts_step_fails_on_the_other_host(hosts):
     assert_hosts_clean(hosts)
 
 
-@pytest.mark.parametrize("ranks", RANKS)
+@pytest.mark.parametrize("ranks", [RANKS[0], pytest.param(RANKS[1].values[0], id="JAX", marks=pytest.mark.slow)])
 def test_hosts_parameter_server(hosts, ranks):
     """The asynchronous parameter server with workers on both hosts (rank 1 on the master's
     host, ranks 2 and 3 on the other, rank 3 slowed): it trains (on JAX ranks it once did
@@ -247,7 +249,8 @@ def test_hosts_parameter_server(hosts, ranks):
     assert_hosts_clean(hosts)
 
 
-@pytest.mark.parametrize("what,exc", [("kill", "WorkerDied"), ("stop", "WorkerStopped")])
+@pytest.mark.parametrize("what,exc", [("kill", "WorkerDied"),
+                                      pytest.param("stop", "WorkerStopped", marks=pytest.mark.slow)])
 def test_hosts_parameter_server_lost_worker(hosts, what, exc):
     """A worker of the other host killed (frozen) during a run: reported, the others (its
     host's too) go on, then the run raises WorkerDied (WorkerStopped) naming rank and host,
