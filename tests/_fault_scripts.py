@@ -185,9 +185,38 @@ def with_trigger(values, rank, n):
 # Start-up faults
 
 _SITECUSTOMIZE = '''
-import json, os, time
+import json, os, sys, time
 _spec = os.environ.get("SYNK_TEST_STARTUP_FAULT")
-if _spec:
+with open("/proc/self/cmdline", "rb") as _fh:
+    _server = b"synkhronos.backends.host.forkserver" in _fh.read()
+if _spec and _server:
+    # the fork server: its workers never run this file; arm each one as it is forked
+    if "server" in _spec.split(","):
+        os.kill(os.getpid(), 9)
+
+    def _arm():
+        w = sys.modules.get("synkhronos.worker")
+        if w is None or getattr(w.main, "armed", False):
+            return
+        inner = w.main
+
+        def main():
+            rank = json.loads(sys.argv[1])["rank"]
+            for one in _spec.split(","):
+                parts = one.split(":")
+                if len(parts) < 2 or rank != int(parts[1]):
+                    continue
+                if parts[0] == "kill":
+                    os.kill(os.getpid(), 9)
+                elif parts[0] == "raise":
+                    sys.modules["pytensor"] = None      # its import in the worker's set-up fails
+                elif parts[0] == "sleep":
+                    time.sleep(float(parts[2]))
+            return inner()
+        main.armed = True
+        w.main = main
+    os.register_at_fork(after_in_child=_arm)
+elif _spec:
     try:
         with open("/proc/self/cmdline", "rb") as _fh:
             _argv = _fh.read().split(b"\\0")
@@ -196,7 +225,7 @@ if _spec:
         _rank = None
     for _one in _spec.split(","):
         _parts = _one.split(":")
-        if _rank is None or _rank != int(_parts[1]):
+        if _rank is None or len(_parts) < 2 or _rank != int(_parts[1]):
             continue
         if _parts[0] == "kill":
             import signal
@@ -208,14 +237,16 @@ if _spec:
 '''
 
 
-def startup_fault_env(tmp_path, spec):
-    """{env var: value} that makes the workers named in ``spec`` fail at start-up."""
+def startup_fault_env(tmp_path, spec, forked=True):
+    """{env var: value} that makes the workers named in ``spec`` fail at start-up (``kill:R``,
+    ``raise:R``, ``sleep:R:S``; ``server``: the fork server dies as it starts), forked by the
+    fork server or (``forked=False``) spawned."""
     d = tmp_path / "synk_sitecustomize"
     d.mkdir(exist_ok=True)
     (d / "sitecustomize.py").write_text(_SITECUSTOMIZE)
     old = os.environ.get("PYTHONPATH")
     return {"PYTHONPATH": str(d) + (os.pathsep + old if old else ""),
-            "SYNK_TEST_STARTUP_FAULT": spec}
+            "SYNK_TEST_STARTUP_FAULT": spec, "SYNK_FORK_SERVER": "1" if forked else "0"}
 
 
 # ------------------------------------------------------------------------------------------
@@ -770,10 +801,64 @@ def scenario_close_storm(sessions):
     _result(**res)
 
 
+def scenario_fork_storm(sessions):
+    """``sessions`` times ``synk.fork(3)`` with 1-3 SIGINTs at a random instant of it (the
+    workers forked by the fork server, its first start included): each fork ends started or
+    interrupted, leaving nothing of it in /dev/shm;
+    after each, ``close()`` leaves no worker of it running.  Reports the fork server(s) this
+    process has, for the test to see them end with it."""
+    import random
+    import threading
+    import synkhronos as synk
+    import synk_testutil as tu
+    pick = random.Random(11)
+    res = {"started": 0, "interrupted": 0, "alive": [], "left": [], "servers": []}
+    before = set(os.listdir("/dev/shm"))       # (other programs' sessions are not looked at)
+    armed = []
+
+    def gate(signum, frame):
+        if armed:
+            armed.clear()
+            raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, gate)
+    for k in range(int(sessions)):
+        stop = []
+
+        def storm():
+            time.sleep(pick.uniform(0.0, 2.0))          # (a fork takes ~0.1 s, its first ~1.5 s)
+            for _ in range(pick.randint(1, 3)):
+                if stop:
+                    return
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(pick.uniform(5e-5, 3e-3))
+        t = threading.Thread(target=storm, daemon=True)
+        t.start()
+        try:
+            try:
+                armed.append(1)
+                synk.fork(3)
+            finally:
+                armed.clear()
+            res["started"] += 1
+        except KeyboardInterrupt:
+            res["interrupted"] += 1
+        stop.append(1)
+        t.join()
+        synk.close()
+        if not tu.wait_until(lambda: not tu.worker_children(), 5.0):
+            res["alive"].append(tu.worker_children())
+        left = [e for e in os.listdir("/dev/shm") if e.startswith(("synk_", "sem.synk_")) and e not in before]
+        if left:
+            res["left"].append(left)
+    res["servers"] = tu.fork_servers()
+    _result(**res)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     name, args = sys.argv[1], sys.argv[2:]
     {"ctrl_c": scenario_ctrl_c, "master_busy": scenario_master_busy,
      "sigint_storm": scenario_sigint_storm, "terminate": scenario_terminate,
      "interrupt_compile": scenario_interrupt_compile, "close_storm": scenario_close_storm,
+     "fork_storm": scenario_fork_storm,
      "worker_exit": scenario_worker_exit}[name](*args)

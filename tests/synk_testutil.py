@@ -159,8 +159,7 @@ def pid_running(pid):
     return st is not None and st[0] not in ("Z", "X")
 
 
-def worker_children(ppid=None):
-    """Live ``synkhronos.worker`` processes whose parent is ``ppid`` (default: this process)."""
+def _children(marker, ppid):
     ppid = os.getpid() if ppid is None else ppid
     found = []
     for name in os.listdir("/proc"):
@@ -170,9 +169,19 @@ def worker_children(ppid=None):
         st = _stat(pid)
         if st is None or st[1] != ppid or st[0] in ("Z", "X"):
             continue
-        if "synkhronos.worker" in _cmdline(pid):
+        if marker in _cmdline(pid):
             found.append(pid)
     return found
+
+
+def worker_children(ppid=None):
+    """Live ``synkhronos.worker`` processes whose parent is ``ppid`` (default: this process)."""
+    return _children("synkhronos.worker", ppid)
+
+
+def fork_servers(ppid=None):
+    """Live fork servers (``synkhronos.backends.host.forkserver``) whose parent is ``ppid``."""
+    return _children("synkhronos.backends.host.forkserver", ppid)
 
 
 def mapped_shm(pid, prefix):

@@ -22,6 +22,7 @@ every host uses its host's shm control).  ``plan`` decides (in the master, from
 ``attach_comm`` a worker (from the configuration the master gave it), ``remove``/``worker_exit``/``reap`` free what
 a session leaves."""
 import atexit
+import contextlib
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -121,11 +122,23 @@ def _local_master(spec):
     if device.placement != "host":             # (may refuse: before anything is created)
         device.plan_comm(rank, spec.check)     # before its config() goes out
     prefix = segments.new_prefix()
-    control = implementation("control", "shm")(prefix, n, rank, rank, spec.waiter, create=True)
-    host_comm = implementation("comm", "shm")(prefix, rank, n, control, create=True)
-    comm = _comm_stack(host_comm, device, rank, n, rank, control)
+    with _removed_on_error(prefix):
+        control = implementation("control", "shm")(prefix, n, rank, rank, spec.waiter, create=True)
+        host_comm = implementation("comm", "shm")(prefix, rank, n, control, create=True)
+        comm = _comm_stack(host_comm, device, rank, n, rank, control)
     return Planes(control, comm, implementation("launcher", "subprocess")(), "local",
                   {"topology": "local", "prefix": prefix}, {"shm_prefix": prefix})
+
+
+@contextlib.contextmanager
+def _removed_on_error(prefix):
+    """The segments of ``prefix`` are removed if what the block makes of them fails (a
+    Ctrl-C in ``fork()`` included: the session that would free them does not exist yet)."""
+    try:
+        yield
+    except BaseException:
+        segments.remove_all(prefix)
+        raise
 
 
 def _comm_stack(host_comm, device, rank, n, master_rank, control):
@@ -157,7 +170,9 @@ def _mpi_master(spec):
     waiter = spec.waiter
     waiter.TICK = mpi_world.POLL               # messages from other hosts do not wake a sleeper:
     waiter.KEEP_HOT = mpi_world.KEEP_HOT       # look for them between yields first, then every tick
-    host0 = implementation("control", "shm")(prefix, k0 + 1, 0, 0, waiter, create=True, members=range(k0), lead=k0)
+    with _removed_on_error(prefix):
+        host0 = implementation("control", "shm")(prefix, k0 + 1, 0, 0, waiter, create=True, members=range(k0),
+                                                 lead=k0)
     hub = Hub(w, HostView(host0), list(range(1, w.size)))
     waiter.service = hub.service
     launcher = implementation("launcher", "mpi")(implementation("launcher", "subprocess")(), hub, [])

@@ -9,8 +9,10 @@ import subprocess
 import sys
 import time
 
+from ... import signals
 from ...errors import MasterDied
 from ...launcher import RankGone
+from . import forked
 
 STOP_GRACE = 1.0          # a process stopped this long (SIGSTOP, a debugger) is reported
 _STATE_EVERY = 0.25       # seconds between reads of /proc/PID/stat
@@ -66,9 +68,16 @@ class SubprocessLauncher:
         # process group (MPI's, a batch system's) leaves them the moment to see their master
         # gone and free the session's shared memory; Ctrl-C in a terminal reaches only the
         # master, which stops them
-        for r in ranks:
-            self.procs[r] = subprocess.Popen(argv(r), env=clean_env(env_for(r)), stdin=subprocess.DEVNULL,
-                                             close_fds=True, process_group=0)
+        # (forked by this process's fork server when it can: see forked.py; a Ctrl-C waits
+        # until the worker is known, so that stop() finds every worker there is)
+        with forked.Adopting():
+            for r in ranks:
+                env = clean_env(env_for(r))
+                server = forked.ForkServer.for_env(env)
+                with signals.deferred():
+                    proc = server.fork(argv(r)[-1], env) if server is not None else None
+                    self.procs[r] = proc or subprocess.Popen(argv(r), env=env, stdin=subprocess.DEVNULL,
+                                                             close_fds=True, process_group=0)
 
     def check(self):
         for r, p in self.procs.items():
