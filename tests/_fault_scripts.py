@@ -808,12 +808,21 @@ def scenario_fork_storm(sessions):
     after each, ``close()`` leaves no worker of it running.  Reports the fork server(s) this
     process has, for the test to see them end with it."""
     import random
+    import tempfile
     import threading
     import synkhronos as synk
     import synk_testutil as tu
     pick = random.Random(11)
     res = {"started": 0, "interrupted": 0, "alive": [], "left": [], "servers": []}
-    before = set(os.listdir("/dev/shm"))       # (other programs' sessions are not looked at)
+    # this program's sessions (each prefix is logged as it is made; others are not looked at)
+    log = os.environ.get("SYNK_PREFIX_LOG") or os.path.join(tempfile.mkdtemp(), "prefixes")
+    os.environ["SYNK_PREFIX_LOG"] = log
+    start = os.path.getsize(log) if os.path.exists(log) else 0
+
+    def mine():
+        with open(log) as fh:
+            fh.seek(start)
+            return tuple(p.strip().lstrip("/") + "_" for p in fh if p.strip())
     armed = []
 
     def gate(signum, frame):
@@ -847,7 +856,8 @@ def scenario_fork_storm(sessions):
         synk.close()
         if not tu.wait_until(lambda: not tu.worker_children(), 5.0):
             res["alive"].append(tu.worker_children())
-        left = [e for e in os.listdir("/dev/shm") if e.startswith(("synk_", "sem.synk_")) and e not in before]
+        bases = mine()
+        left = [e for e in os.listdir("/dev/shm") if e.startswith(bases + tuple("sem." + b for b in bases))]
         if left:
             res["left"].append(left)
     res["servers"] = tu.fork_servers()

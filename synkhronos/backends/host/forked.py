@@ -20,6 +20,7 @@ pages with its siblings.  Nothing changes for the master or the worker:
 
 ``SYNK_FORK_SERVER=0`` turns it off (workers are spawned); when it cannot start, workers are
 spawned as before."""
+import atexit
 import ctypes
 import json
 import os
@@ -143,8 +144,8 @@ class ForkServer:
         key = {k: v for k, v in env.items() if k not in NOT_AT_IMPORT}
         cur = cls._current
         if cur is not None and cur.owner != os.getpid():     # (inherited through os.fork: not ours)
-            cur.sock.close()
-            cls._current = cls._failed = cur = None
+            cur.close()
+            cls._failed = cur = None
         if cur is not None and cur.env == key and cur.proc.poll() is None:
             return cur
         if cur is not None:
@@ -156,6 +157,7 @@ class ForkServer:
         except (OSError, RuntimeError, ValueError):
             cls._failed = key
             return None
+        atexit.register(cls._current.close)      # (no "still running" at exit; a no-op once closed)
         return cls._current
 
     def fork(self, arg, env):
@@ -176,10 +178,13 @@ class ForkServer:
     def close(self, kill=False):
         if ForkServer._current is self:
             ForkServer._current = None
+        atexit.unregister(self.close)
         try:
             self.sock.close()
         except OSError:
             pass
+        if self.owner != os.getpid():         # (a copy inherited through os.fork: not our child)
+            return
         if kill:
             self.proc.kill()
         try:

@@ -45,10 +45,10 @@ def _become_worker(req, fds, sock):
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     argv = [sys.executable, "-P", "-m", "synkhronos.worker", req["arg"]]
     _retitle(argv)
-    sys.argv = [argv[0], req["arg"]]
     import numpy as np
     np.random.seed()                  # (Python's random reseeds itself in a forked child)
     from synkhronos import worker
+    sys.argv = [worker.__file__, req["arg"]]      # (as ``-m synkhronos.worker`` sets it)
     worker.exit_quickly(worker.main())
 
 
