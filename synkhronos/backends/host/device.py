@@ -5,6 +5,8 @@ numba; the master's own limits are undone when the session closes."""
 import os
 
 import numpy as np
+from threadpoolctl import threadpool_limits   # (at import: it sets KMP_DUPLICATE_LIB_OK, and workers'
+                                              # environment must not change between sessions: forked.py)
 
 from ... import generators
 from ...compiling import compiling
@@ -40,7 +42,6 @@ class ThreadLimits:
         self._limits = self._saved_env = self._numba_threads = None
 
     def apply(self):
-        from threadpoolctl import threadpool_limits
         self._saved_env = {v: os.environ.get(v) for v in THREAD_VARS}
         os.environ.update({v: str(self.threads) for v in THREAD_VARS if v != "NUMBA_NUM_THREADS"})
         # (numba refuses a change of NUMBA_NUM_THREADS once its pool exists: set below)
