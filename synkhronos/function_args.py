@@ -86,9 +86,10 @@ def check_collectives(outputs, givens, mode, device):
         return False
     ops = sys.modules["synkhronos.ops"]
     g = list(givens.values()) if isinstance(givens, dict) else [v for _, v in (givens or [])]
-    if not ops.uses_collectives(list(outputs) + g):
+    outs = list(outputs) + g
+    if not ops.uses_collectives(outs):
         return False
-    ops.check_backend(mode, device)
+    ops.check_backend(mode, device, inner=ops.in_inner_graphs(outs))
     return True
 
 

@@ -439,18 +439,46 @@ def n_ranks():
 
 # ---- checks for synk.function ------------------------------------------------------------------
 
-def uses_collectives(outputs):
-    """Whether the graph of ``outputs`` (variables) holds an in-graph collective."""
+def _collectives(outputs, inner=False):
+    """For each in-graph collective of the graph of ``outputs``: whether it lies inside an
+    inner graph (a ``scan`` step, an ``OpFromGraph``)."""
+    from pytensor.graph.op import HasMultipleInnerGraph
     from pytensor.graph.traversal import ancestors
-    return any(v.owner is not None and isinstance(v.owner.op, CollectiveOp)
-               for v in ancestors([o for o in outputs if o is not None]))
+    seen = set()
+    for v in ancestors([o for o in outputs if o is not None]):
+        node = v.owner
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node.op, CollectiveOp):
+            yield inner
+        elif isinstance(node.op, HasMultipleInnerGraph):
+            for g in node.op.inner_graphs.values():
+                yield from _collectives(g.outputs, True)
 
 
-def check_backend(mode, device=None):
+def uses_collectives(outputs):
+    """Whether the graph of ``outputs`` (variables) holds an in-graph collective, inner
+    graphs included: such a call runs on every rank at once (never the master's share
+    first), however deep its collectives lie."""
+    return any(True for _ in _collectives(outputs))
+
+
+def in_inner_graphs(outputs):
+    """Whether an in-graph collective of the graph of ``outputs`` lies in an inner graph."""
+    return any(_collectives(outputs))
+
+
+def check_backend(mode, device=None, inner=False):
     """TypeError, saying why, when in-graph collectives cannot run under ``mode`` (a PyTensor
-    mode or its name) or on ``device``."""
+    mode or its name) or on ``device``; ``inner``: some lie inside an inner graph."""
     from pytensor.compile.mode import get_mode
     if getattr(device, "runs_host_ops", False):
+        if inner:
+            raise TypeError("this graph holds synkhronos.ops collectives inside a scan (or another inner "
+                            f"graph); this session's device ({getattr(device, 'kind', '?')}) compiles graphs "
+                            "with PyTensor's JAX backend, which runs collectives only in the outer graph. "
+                            "Unroll the loop, or use a CPU session (the default mode).")
         return                   # the device compiles such graphs itself (JAX: one program or stretches)
     linker = type(get_mode(mode).linker).__name__
     if linker in _UNSUPPORTED_LINKERS:

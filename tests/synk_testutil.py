@@ -153,6 +153,12 @@ def _stat(pid):
     return rest[0], int(rest[1])
 
 
+def parent_of(pid):
+    """The pid of ``pid``'s parent, None if it does not exist."""
+    st = _stat(pid)
+    return None if st is None else st[1]
+
+
 def pid_running(pid):
     """True while ``pid`` exists and is not a zombie (an exited, unreaped process)."""
     st = _stat(pid)

@@ -10,6 +10,7 @@ with ``gather`` / ``get_value`` and compared with numpy applied to the stacked p
 values (same dtype rules: integer sums wrap in their dtype, integer ``avg`` is the float64
 mean rounded half to even).
 """
+import time
 import types
 
 import numpy as np
@@ -344,6 +345,28 @@ class TestCollectives:
         synk.broadcast(u, np.ones((2, 3)))                     # and all works after
         synk.all_reduce(u, op="sum")
         check(synk.gather(u), np.full((S.n, 2, 3), S.n, "float64"), "float64")
+
+    @pytest.mark.parametrize("large", ["rank 0", "the others"])
+    def test_shapes_unequal_across_the_small_message_size(self, S, large):
+        """An all-reduce goes one way for small values and another for large ones, chosen
+        by each rank from its own value: ranks whose shapes differ across that size once
+        waited for each other in different meetings for ever.  Now every rank raises the
+        shape error at once, nothing changes, and the session goes on."""
+        if S.n == 1:
+            pytest.skip("one rank: no mismatch possible")
+        u = S.u
+        vals = [np.full((2, 100_000 if (r == 0) == (large == "rank 0") else 1), r + 1.0) for r in range(S.n)]
+        set_all(S, u, vals)
+        t0 = time.monotonic()
+        for _ in range(2):
+            with pytest.raises(ValueError, match="needs the same shape on every rank"):
+                synk.all_reduce(u)
+        assert time.monotonic() - t0 < 20
+        for r in range(S.n):
+            check(synk.get_value(r, u), vals[r], "float64")
+        set_all(S, u, [np.full((2, 3), r + 1.0) for r in range(S.n)])
+        synk.all_reduce(u, op="sum")
+        check(synk.gather(u), np.full((S.n, 2, 3), S.n * (S.n + 1) / 2), "float64")
 
     def test_zero_d_gather(self, S):
         v = S.vs[("int32", 0)]

@@ -65,7 +65,7 @@ def test_forked_workers_look_spawned(monkeypatch):
             argv = fh.read().rstrip(b"\0").split(b"\0")
         assert [a.decode() for a in argv] == [sys.executable, "-P", "-m", "synkhronos.worker",
                                               json.dumps({"rank": rank})]
-        assert tu._stat(pid)[1] == os.getpid()               # the master's child, as spawned ones
+        assert tu.parent_of(pid) == os.getpid()               # the master's child, as spawned ones
         assert os.getpgid(pid) == pid                        # a process group of its own
         assert os.readlink(f"/proc/{pid}/cwd") == os.getcwd()
     assert _probe_all("SYNK_TEST_MARK") == [7.0] * 3       # the master's environment, in every rank
@@ -96,14 +96,14 @@ def test_a_dead_or_frozen_server_is_replaced(how):
     assert time.monotonic() - t < 15.0
     assert _probe_all("SYNK_TEST_MARK") == [-1.0] * 3
     assert not tu.pid_running(server)
-    assert all(tu._stat(pid)[1] == os.getpid() for _, pid in workers)
+    assert all(tu.parent_of(pid) == os.getpid() for _, pid in workers)
 
 
 def test_off_switch_spawns(monkeypatch):
     monkeypatch.setenv("SYNK_FORK_SERVER", "0")
     before = tu.fork_servers()
     workers = _started()
-    assert tu.fork_servers() == before and all(tu._stat(pid)[1] == os.getpid() for _, pid in workers)
+    assert tu.fork_servers() == before and all(tu.parent_of(pid) == os.getpid() for _, pid in workers)
     assert _probe_all("SYNK_FORK_SERVER") == [0.0] * 3
 
 
@@ -118,3 +118,17 @@ def test_ctrl_c_storm_during_fork_leaves_no_worker():
     assert res["alive"] == [] and res["left"] == [], res
     assert len(res["servers"]) <= 1, res
     assert tu.wait_until(lambda: not any(tu.pid_running(p) for p in res["servers"]), 5.0), res
+
+
+def test_worker_reaped_by_user_code_is_reported_gone():
+    """The master adopts forked workers: user code that reaps children (``os.waitpid``, a
+    loop of ``os.wait()``) may reap one that died.  Its exit status is then unknown: the
+    session says the rank is gone, without inventing how it ended, and closes."""
+    workers = _started(2)
+    pid = workers[0][1]
+    os.kill(pid, signal.SIGKILL)
+    assert os.waitpid(pid, 0)[0] == pid                  # the user's code reaps it first
+    with pytest.raises(synk.WorkerDied, match=r"rank 1\b.* is gone during") as ei:
+        synk.distribute()
+    assert ei.value.returncode is None
+    assert not tu.is_open()

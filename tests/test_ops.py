@@ -200,6 +200,11 @@ def S(request):
                               bcast_inputs=[v.c])
         big_mismatch = synk.function([x], (T.sum(ops.all_reduce(T.repeat(x.sum(axis=1), 20000))), "sum"),
                                      updates=[(u, u + 1)])
+        # rank 0's value a few bytes, the others' far past the small-message size (which
+        # decides how an all-reduce goes, on each rank from its own value)
+        size = T.switch(T.eq(ops.this_rank(), 0), 3, 90000)
+        straddling = synk.function([x], (T.sum(ops.all_reduce(T.sum(x) * T.ones((size,)))), "sum"),
+                                   updates=[(u, u + 1)])
         info = synk.function([x], (T.stack([ops.this_rank(), ops.n_ranks()]), "gather"),
                              on_unused_input="ignore")
         perform = None if tu.jax_backend() else synk.function([x], (ops.all_reduce(x.sum(axis=0)), None),
@@ -214,6 +219,7 @@ def S(request):
                     C=rng.standard_normal((N, D)), cnt=np.asarray(COUNTS[n], np.int64))
         yield types.SimpleNamespace(n=n, v=v, w=w, u=u, fs=fs, data=data, mismatch=mismatch, good=good,
                                     late_fail=late_fail, sized=sized, big_mismatch=big_mismatch,
+                                    straddling=straddling,
                                     info=info, perform=perform, jax_error=jax_error, serial={})
     finally:
         synk.close()
@@ -295,13 +301,18 @@ class TestOps:
         for op, got in zip(RED_SERIAL, S.sized(X, c)):
             np.testing.assert_allclose(got, np_red[op](parts), rtol=1e-14, atol=0, err_msg=f"{op} size {size}")
 
-    @pytest.mark.parametrize("which", ["small", "large"])
+    @pytest.mark.parametrize("which", ["small", "large", "straddling"])
     def test_shape_mismatch_raises_everywhere_and_changes_nothing(self, S, which):
+        """Every rank raises the shape error (the master its own, from the worker's), for
+        small values, large ones and values on both sides of the small-message size; once
+        raced: a rank that passed the meeting, saw the shapes and aborted before the master
+        looked again left the master Aborted instead (so only the worker's error came)."""
         if S.n == 1:
             pytest.skip("one rank: no mismatch possible")
         before = [synk.get_value(r, S.u) for r in range(S.n)]
+        f = dict(small=S.mismatch, large=S.big_mismatch, straddling=S.straddling)[which]
         with pytest.raises(ValueError, match="needs the same shape on every rank") as ei:
-            (S.mismatch if which == "small" else S.big_mismatch)(S.data["X"])   # shards of unequal lengths
+            f(S.data["X"])                   # shards of unequal lengths
         cause = ei.value.__cause__
         assert isinstance(cause, synk.WorkerError) and cause.ranks == list(range(1, S.n))
         assert all("needs the same shape on every rank" in t for t in cause.errors.values())
@@ -348,6 +359,38 @@ class TestOps:
             assert S.jax_error is None
         else:
             assert S.jax_error is not None and "JAX" in S.jax_error and "synkhronos.ops" in S.jax_error
+
+
+# ---- collectives inside a scan -----------------------------------------------------------------
+
+def test_collectives_inside_scan():
+    """A ``scan`` whose step holds an in-graph all-reduce: the call runs on every rank at
+    once (it once ran the master's share first, as for a graph without collectives, and
+    waited for ever in the first collective), its value is the serial one, and so are the
+    next calls (its thousands of meetings once ran past the tokens of one command into
+    the next one's).  Under JAX the graph is refused when it is made."""
+    steps, width = 2100, 30000            # every step far past the small-message size
+    x = T.matrix("x")
+    total = pytensor.scan(lambda acc, v: acc + ops.all_reduce(v), outputs_info=[T.zeros((width,), "float64")],
+                          non_sequences=[T.repeat(x.sum(axis=0), width // 3)], n_steps=steps,
+                          return_updates=False)
+    once = ops.all_reduce(T.repeat(x.sum(axis=0), width // 3))
+    tu.fork(2)
+    try:
+        if tu.jax_backend():
+            with pytest.raises(TypeError, match="inside a scan"):
+                synk.function([x], (total[-1], None))
+            return
+        f = synk.function([x], (total[-1], None))
+        g = synk.function([x], (once, None))
+        synk.distribute()
+        X = np.random.default_rng(5).standard_normal((8, 3))
+        np.testing.assert_allclose(f(X), steps * np.repeat(X.sum(axis=0), width // 3), rtol=1e-9)
+        for seed in range(6, 12):
+            X = np.random.default_rng(seed).standard_normal((8, 3))
+            np.testing.assert_allclose(g(X), np.repeat(X.sum(axis=0), width // 3), rtol=1e-12)
+    finally:
+        synk.close()
 
 
 # ---- no session -------------------------------------------------------------------------------

@@ -81,13 +81,14 @@ class ForkedWorker:
 
     def __init__(self, pid):
         self.pid, self.returncode = pid, None
+        self.status_known = True     # False: reaped by someone else (``os.wait()`` in user code)
 
     def poll(self):
         if self.returncode is None:
             try:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:        # (reaped elsewhere: gone, its status unknown)
-                self.returncode = -signal.SIGKILL
+            except ChildProcessError:        # reaped elsewhere: gone, its status unknown
+                self.returncode, self.status_known = 0, False
                 return self.returncode
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)

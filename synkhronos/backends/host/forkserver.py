@@ -10,6 +10,7 @@ import threading
 import time
 
 from .forked import libc, recv, send
+from .procfs import parent_of, stat_fields
 
 PRELOAD = ("numpy", "pytensor", "pytensor.link.numba.dispatch", "synkhronos.worker")
 _PR_SET_PDEATHSIG = 1
@@ -22,9 +23,8 @@ def _threads():
 def _retitle(argv):
     """Make /proc/self/cmdline read ``argv`` (written over this process's own command line,
     which was padded for it)."""
-    with open("/proc/self/stat", "rb") as fh:
-        fields = fh.read().rsplit(b")", 1)[1].split()
-    start, end = int(fields[45]), int(fields[46])          # arg_start, arg_end
+    fields = stat_fields()
+    start, end = int(fields[45]), int(fields[46])          # arg_start, arg_end (fields 48, 49)
     data = b"\0".join(a.encode() for a in argv) + b"\0"
     if len(data) <= end - start:
         ctypes.memmove(start, data + b"\0" * (end - start - len(data)), end - start)
@@ -76,18 +76,10 @@ def _fork(req, fds, sock):
         os.close(fd)
     if pid <= 0:
         return "fork failed"
-    if _parent(pid) not in (req["master"], None):    # (None: already gone and reaped)
+    if parent_of(pid) not in (req["master"], None):    # (None: already gone and reaped)
         os.kill(pid, signal.SIGKILL)
         return "the master did not adopt the worker"
     return pid
-
-
-def _parent(pid):
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return int(fh.read().rsplit(b")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _worker(req, fds, sock):

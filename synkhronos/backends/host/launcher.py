@@ -13,6 +13,7 @@ from ... import signals
 from ...errors import MasterDied
 from ...launcher import RankGone
 from . import forked
+from .procfs import process_state
 
 STOP_GRACE = 1.0          # a process stopped this long (SIGSTOP, a debugger) is reported
 _STATE_EVERY = 0.25       # seconds between reads of /proc/PID/stat
@@ -22,16 +23,6 @@ _MPI_ENV = ("PMI_", "PMIX_", "MPI_LOCAL", "MPIR_", "HYDRA_", "OMPI_", "I_MPI_")
 def clean_env(env):
     """``env`` without the variables of an MPI launcher."""
     return {k: v for k, v in env.items() if not k.startswith(_MPI_ENV)}
-
-
-def process_state(pid):
-    """The one-letter state of ``pid`` from /proc (R, S, D, T, t, Z …), None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            s = fh.read()
-    except OSError:
-        return None
-    return s[s.rindex(b")") + 2:s.rindex(b")") + 3].decode()
 
 
 _PKG_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -82,8 +73,8 @@ class SubprocessLauncher:
     def check(self):
         for r, p in self.procs.items():
             rc = p.poll()
-            if rc is not None:
-                raise RankGone(r, returncode=rc)
+            if rc is not None:           # (a status nobody could read: "is gone")
+                raise RankGone(r, returncode=rc if getattr(p, "status_known", True) else None)
         now = time.monotonic()
         if now < self._next_state:
             return

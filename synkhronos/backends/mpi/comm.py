@@ -9,6 +9,7 @@ from .requests import Pending, Requests, abandon
 from .world import OP_HOT
 from ..shm import segments as shm
 from ..shm.chunks import chunk_bounds, row_blocks
+from ..shm.control import step_token
 from ..shm.slots import RESULT, Slots
 from ... import reductions as red
 from ... import signals
@@ -69,7 +70,7 @@ class HierComm:
         if self.ctl.seq != self.step_seq:           # a new command: its steps count from 1
             self.step_seq, self.steps = self.ctl.seq, 0
         self.steps += 1
-        return self.ctl.seq * 4096 + self.steps
+        return step_token(self.ctl.seq, self.steps)
 
     def _host(self, obj_for_first):
         """The first rank's object, on every rank of the host (through the request segment)."""

@@ -48,7 +48,7 @@ import numpy as np
 import posix_ipc
 
 from . import segments as shm
-from ..host.launcher import process_state
+from ..host.procfs import process_state
 from ...channel import FAILED, FINISHED, N_META
 from ...errors import Aborted
 

@@ -99,13 +99,32 @@ class ShmComm:
     def _all_slots(self, key, dtype, plane=SLOT):
         return [self.slots.view(key, r, dtype, plane).reshape(-1) for r in range(self.n)]
 
-    def _prepare_reduction(self, items, what):
-        """Stage, meet, check shapes (every rank raises alike), attach every rank's slots."""
+    def _prepare_reduction(self, items, what, arrs=None):
+        """Stage, meet, check shapes (every rank raises alike), attach every rank's slots.
+        ``arrs`` (an all-reduce, whose ranks may go different ways: see ``_meet_signed``):
+        the values, met on with their signature."""
         staged = [self._stage(key, arr) for key, arr in items]
-        self.sync.barrier(check_after=False)
-        self._equal_shapes([k for k, _ in items], what)
+        if arrs is None:
+            self.sync.barrier(check_after=False)
+            self._equal_shapes([k for k, _ in items], what)
+        else:
+            self._meet_signed(items, arrs, what)
         views = [self._all_slots(key, np.asarray(arr).dtype) for key, arr in items]
         return staged, views
+
+    def _meet_signed(self, items, arrs, what):
+        """The first meeting of an all-reduce that does not go the one-meeting way: on the
+        eager rows, with this rank's signature (dtypes and shapes) in its row.  How an
+        all-reduce goes (one meeting, slots, a device) depends on the size of a rank's own
+        values: ranks whose shapes differ may choose differently, and would otherwise wait
+        in different meetings for ever; here they meet and every rank raises alike."""
+        eager = self.eager
+        header = eager.header(arrs)
+        token = self.sync.next_token()
+        parity = token & 1
+        eager.sign(parity, self.rank, header, token)
+        self.sync.meet(lambda: eager.posted(parity, token), lambda: eager.late(parity, token))
+        self._check_signed(parity, header, items, what)
 
     def _reduce(self, op, srcs, dsts, flat):
         """This rank's chunk of the reduction of ``srcs`` into ``dsts`` (its threads)."""
@@ -130,7 +149,7 @@ class ShmComm:
         plan = self.eager.plan(arrs, self.n - 1)
         if plan is not None:
             return self._eager_all_reduce(items, arrs, plan, op, scratch)
-        staged, views = self._prepare_reduction(items, "all_reduce")
+        staged, views = self._prepare_reduction(items, "all_reduce", arrs)
 
         def write():
             for (key, _), (flat, _), vs in zip(items, staged, views):
@@ -157,7 +176,7 @@ class ShmComm:
         def compute():
             if done:
                 return
-            self._eager_check(parity, plan, items)    # every rank reads the same headers: all raise alike
+            self._check_signed(parity, plan.header, items, "all_reduce")   # (the same headers: all raise alike)
             for res, vs in zip(out, views):
                 small_reduce(op, vs, res)
             done.append(True)
@@ -167,23 +186,27 @@ class ShmComm:
             return out
 
         def meanwhile():                  # while the vote is decided: every row is complete
-            if eager.posted(parity, token) and eager.agree(parity, plan):
+            if eager.posted(parity, token) and eager.agree(parity, plan.header):
                 compute()                 # (only kept if the vote commits)
         if not self.sync.vote(True, on_commit=compute, meanwhile=meanwhile):
+            if eager.posted(parity, token):    # every rank met: raise as those that saw unequal shapes
+                self._check_signed(parity, plan.header, items, "all_reduce")
             raise Aborted("another rank failed during this collective")
         return out
 
-    def _eager_check(self, parity, plan, items):
-        """ValueError (on every rank alike) unless every rank posted the same shapes."""
+    def _check_signed(self, parity, header, items, what):
+        """ValueError (on every rank alike) unless every rank signed ``header``."""
         eager = self.eager
-        if eager.agree(parity, plan):
+        if eager.agree(parity, header):
             return
         for i, (key, _) in enumerate(items):
             shapes = eager.shapes(parity, i)
+            if None in shapes:      # a digest (many values): the shapes of the ranks that have slots
+                shapes = [self.slots.shape(key, r) if s is None else s for r, s in enumerate(shapes)]
             if len(set(shapes)) > 1:
                 of = f" of {self.names[key]}" if key in self.names else ""
-                raise ValueError(f"all_reduce{of} needs the same shape on every rank, got {shapes} (by rank)")
-        raise ValueError("all_reduce needs the same values (dtypes, shapes) on every rank")
+                raise ValueError(f"{what}{of} needs the same shape on every rank, got {shapes} (by rank)")
+        raise ValueError(f"{what} needs the same values (dtypes, shapes) on every rank")
 
     def reduce(self, items, op, root, in_place=True, fence=True):
         """``in_place``: the root's result is its slot of the key (its value is replaced);
@@ -252,10 +275,10 @@ class ShmComm:
             self.sync.barrier()
         return [dst for _, _, _, dst in targets]
 
-    def _publish_all(self, items):
+    def _publish_all(self, items, check_after=True):
         for key, arr in items:
             self.slots.publish(key, arr)
-        self.sync.barrier()
+        self.sync.barrier(check_after)
 
     def gatherv(self, items, root, fence=True):
         if self.n == 1:
@@ -278,7 +301,7 @@ class ShmComm:
     def all_gatherv(self, items, fence=True):
         if self.n == 1:
             return [np.array(a, copy=True) for _, a in items]
-        self._publish_all(items)
+        self._publish_all(items, check_after=False)     # (shapes checked below: every rank raises alike)
         parts = []
         for key, arr in items:
             arr = np.asarray(arr)
@@ -339,8 +362,7 @@ class ShmComm:
             return use([[np.asarray(a)] for _, a in items])
         for key, arr in items:
             self._stage(key, arr, own=(0, 0))         # the whole value: every other rank reads it
-        self.sync.barrier(check_after=False)
-        self._equal_shapes([k for k, _ in items], what)
+        self._meet_signed(items, [np.asarray(a) for _, a in items], what)   # (others may go the host's way)
         views = [[self.slots.view(key, r, np.asarray(arr).dtype) for r in range(self.n)] for key, arr in items]
         out = use(views)
         if scratch:

@@ -10,9 +10,9 @@ extra post can delay nobody and fool nobody:
   workers;
 * a worker writes its reply into its own mailbox, then publishes the number of the command
   it answers (``REPLY_SEQ[rank]``), then wakes the master;
-* barriers and votes are numbered ``seq * 4096 + step`` (``step`` counts the barriers and
-  votes of one command), so that no arrival or vote of an aborted command can be taken for
-  one of a later command;
+* barriers and votes are numbered ``seq * STEPS + step`` (``step`` counts the barriers and
+  votes of one command, ``STEPS`` of them at most: ``step_token``), so that no arrival or
+  vote of an earlier command can be taken for one of a later command;
 * ``ABORT_SEQ = seq`` aborts command ``seq``; a vote commits once every rank has arrived
   with "yes" (``VOTE[rank]``).
 
@@ -28,7 +28,7 @@ import posix_ipc
 
 from . import segments as shm
 from .mailbox import Mailbox, MailboxReader
-from ..host.launcher import process_state
+from ..host.procfs import process_state
 from ... import flight, signals
 from ...errors import Aborted
 from ...messages import OK, Command, Reply
@@ -36,7 +36,17 @@ from ...messages import OK, Command, Reply
 CMD_SEQ, ABORT_SEQ, MASTER_PID = 0, 1, 2
 BASE, STRIDE = 8, 8                # per-rank fields, one cache line per rank
 GEN, REPLY_SEQ, ARRIVE, VOTE, HOST_ARRIVE, REPLY_OK = 0, 1, 2, 3, 4, 5
-_STEP = 4096                       # barriers and votes per command at most
+STEPS = 1 << 24                    # barriers and votes per command at most (a scan of collectives)
+
+
+def step_token(seq, step):
+    """The token of meeting ``step`` of command ``seq``: tokens only grow, from command to
+    command too; a command with more meetings than ``STEPS`` fails (on every rank alike)
+    rather than let its tokens run into the next command's."""
+    if step >= STEPS:
+        raise RuntimeError(f"a command of synkhronos met {step} times (barriers, votes, collectives "
+                           f"inside its graph); at most {STEPS - 1} per call")
+    return seq * STEPS + step
 
 
 def ctrl_size(n):
@@ -237,11 +247,12 @@ class ShmControl:
 
     def next_token(self):
         """The token of this rank's next barrier or vote (tokens only grow)."""
-        return self.seq * _STEP + self.step + 1
+        return step_token(self.seq, self.step + 1)
 
     def _token(self):
+        token = step_token(self.seq, self.step + 1)
         self.step += 1
-        return self.seq * _STEP + self.step
+        return token
 
     def _meet(self, field, slots, grace=0.0):
         """Arrive (this rank's ``field`` := the next step's token) and wait until every
@@ -280,11 +291,18 @@ class ShmControl:
             nonlocal since
             if arrived():
                 return True
-            if self.aborted():
-                now = time.monotonic()
-                since = now if since is None else since
-                if now - since >= grace:
-                    raise Aborted("another rank failed during this command")
+            # arrivals first, and looked at again once an abort is seen: a rank may arrive
+            # after the look above, pass the meeting and fail (an unequal shape: it aborts)
+            # before the abort is read here; this rank then passed the meeting too and must
+            # fail alike, not leave it Aborted
+            if not self.aborted():
+                return False
+            if arrived():
+                return True
+            now = time.monotonic()
+            since = now if since is None else since
+            if now - since >= grace:
+                raise Aborted("another rank failed during this command")
             return False
 
         self.waiter.wait(ready, self.sleep, owed=late, what=what)

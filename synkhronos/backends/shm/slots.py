@@ -5,6 +5,7 @@ rank's value, published with its shape in a table every rank reads; two value bu
 key so that the one a collective last returned (and the caller may keep) is never written
 before a vote.  ``Eager``: a small area per rank where small all-reduces meet once (values,
 header and token in one row)."""
+import hashlib
 import math
 import struct
 
@@ -18,6 +19,8 @@ _ALIGN = 64
 _EAGER_BYTES = 1 << 16              # eager area per rank (and parity): values
 _EAGER_WORDS = 256                  # eager area per rank (and parity): token and header (int64)
 _TOKEN = struct.Struct("<q")
+_DIGEST = np.array([-1], np.int64).tobytes()     # a header's second word when it is a digest
+_NO_PLAN = object()
 
 
 class Slots:
@@ -194,34 +197,54 @@ class Eager:
         self.data = [self.seg.array(np.uint8, (n, row), offset=p * n * row)[:, _EAGER_WORDS * 8:] for p in (0, 1)]
         self.n = n
         self.others = [[self._hdr(p, r) for r in range(n) if r != rank] for p in (0, 1)]   # their rows
-        self.plans = {}     # (dtype, shape) per value -> EagerPlan
+        self.plans = {}     # (dtype, shape) per value -> EagerPlan or _NO_PLAN
+        self.headers = {}   # (dtype, shape) per value -> header
 
     def _hdr(self, parity, rank):
         """Where rank ``rank``'s header in area ``parity`` starts (a byte offset)."""
         return (parity * self.n + rank) * self.row
 
+    def header(self, arrs):
+        """What every rank compares after a meeting on these rows: the dtypes and shapes of
+        ``arrs`` (as int64 words), or a digest of them where they do not fit a row's header
+        (never equal to a full header)."""
+        sig = self._sig(arrs)
+        header = self.headers.get(sig)
+        if header is None:
+            words = [0, len(sig)]
+            for dtype, shape in sig:
+                words += [dtype.num, len(shape), *shape]
+            words[0] = len(words)
+            header = np.array(words, np.int64).tobytes()
+            if len(words) >= _EAGER_WORDS:
+                header = np.array([4, -1], np.int64).tobytes() + hashlib.blake2b(header, digest_size=16).digest()
+            header = self.headers[sig] = header
+        return header
+
+    @staticmethod
+    def _sig(arrs):
+        return ((arrs[0].dtype, arrs[0].shape),) if len(arrs) == 1 else tuple((a.dtype, a.shape) for a in arrs)
+
     def plan(self, arrs, scale=1):
         """The ``EagerPlan`` of values ``arrs``, or None when they do not fit (their size
         times ``scale``: a reduction costs every rank n-1 passes over them)."""
-        sig = ((arrs[0].dtype, arrs[0].shape),) if len(arrs) == 1 else tuple((a.dtype, a.shape) for a in arrs)
+        sig = self._sig(arrs)
         plan = self.plans.get(sig)
         if plan is None:
-            words = [0, len(arrs)]
+            header = self.header(arrs)
             layout, off = [], 0
             for dtype, shape in sig:
-                if len(shape) > MAXD:
-                    return None
                 nbytes = math.prod(shape) * dtype.itemsize
-                words += [dtype.num, len(shape), *shape]
                 layout.append((off, nbytes, dtype))
                 off += -(-nbytes // _ALIGN) * _ALIGN
-            if len(words) >= _EAGER_WORDS or off > _EAGER_BYTES:
-                return None
-            words[0] = len(words)
-            views = [[[self.data[p][r, o:o + nb].view(dt).reshape(shape) for r in range(self.n)]
-                      for (o, nb, dt), (_, shape) in zip(layout, sig)] for p in (0, 1)]
-            plan = self.plans[sig] = EagerPlan(np.array(words, np.int64).tobytes(), off, views)
-        return plan if plan.size * scale <= _EAGER_BYTES else None
+            if header[8:16] == _DIGEST or off > _EAGER_BYTES or any(len(shape) > MAXD for _, shape in sig):
+                plan = _NO_PLAN
+            else:
+                views = [[[self.data[p][r, o:o + nb].view(dt).reshape(shape) for r in range(self.n)]
+                          for (o, nb, dt), (_, shape) in zip(layout, sig)] for p in (0, 1)]
+                plan = EagerPlan(header, off, views)
+            self.plans[sig] = plan
+        return plan if plan is not _NO_PLAN and plan.size * scale <= _EAGER_BYTES else None
 
     def post(self, parity, rank, arrs, plan, token):
         """Write this rank's values, header and token; returns every rank's views of each
@@ -229,12 +252,17 @@ class Eager:
         views = plan.views[parity]
         for a, vs in zip(arrs, views):
             np.copyto(vs[rank], a)
+        self.sign(parity, rank, plan.header, token)
+        return views
+
+    def sign(self, parity, rank, header, token):
+        """Write this rank's ``header`` and then the meeting's token (the row is complete):
+        alone, for a collective whose values go another way (slots, a device), which meets
+        here all the same so that ranks that chose different ways meet and see why."""
         at = self._hdr(parity, rank)
-        header = plan.header
         mm = self.mm
         mm[at + 8:at + 8 + len(header)] = header
         _TOKEN.pack_into(mm, at, token)        # last: the row is complete
-        return views
 
     def posted(self, parity, token):
         """Whether every rank's row in area ``parity`` is complete for meeting ``token``
@@ -249,9 +277,9 @@ class Eager:
         """The ranks whose rows are not complete for meeting ``token``."""
         return [r for r in range(self.n) if _TOKEN.unpack_from(self.mm, self._hdr(parity, r))[0] != token]
 
-    def agree(self, parity, plan):
-        """Whether every rank posted the same dtypes and shapes."""
-        header, mm = plan.header, self.mm
+    def agree(self, parity, header):
+        """Whether every rank posted this ``header`` (the same dtypes and shapes)."""
+        mm = self.mm
         size = len(header) + 8
         for at in self.others[parity]:
             if mm[at + 8:at + size] != header:
@@ -259,11 +287,15 @@ class Eager:
         return True
 
     def shapes(self, parity, i):
-        """Every rank's shape of value ``i`` (for messages)."""
+        """Every rank's shape of value ``i`` (for messages; None where a rank's header
+        holds a digest or fewer values)."""
         out = []
         for r in range(self.n):
             at = self._hdr(parity, r) + 8
             w = np.frombuffer(self.mm, np.int64, _EAGER_WORDS - 1, at).tolist()
+            if not 0 <= i < w[1]:
+                out.append(None)
+                continue
             pos = 2
             for _ in range(i):
                 pos += 2 + w[pos + 1]
