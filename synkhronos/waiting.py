@@ -52,9 +52,10 @@ class Waiter:
         self.flight = NOTHING        # the rank's flight recorder: what a long wait waits for, on whom
         self.report = None           # called after each stall warning (the master: the flight report)
 
-    def wait(self, ready, sleep, owed=None, what="command", idle=False, keep_hot=None):
+    def wait(self, ready, sleep, owed=None, what="command", idle=False, keep_hot=None, hopeless=None):
         """Return once ``ready()`` is true.  ``sleep(t)`` blocks at most ``t`` seconds (or
-        until woken); ``owed()`` names the ranks still awaited (for messages).  For the first
+        until woken); ``owed()`` names the ranks still awaited (for messages); ``hopeless()``,
+        looked at every tick, raises when the wait can never end.  For the first
         ``keep_hot`` seconds (default ``KEEP_HOT``) the waits between looks yield the core
         instead of sleeping: an answer that wakes nobody (an MPI message, an MPI operation
         that progresses only while it is tested) is seen at once."""
@@ -97,6 +98,8 @@ class Waiter:
                     if ready():     # the answer came just before the loss (a rank's last reply)
                         return
                     raise
+                if hopeless is not None:
+                    hopeless()
                 if idle:
                     continue
                 if owed is not None:

@@ -14,6 +14,7 @@ Also: the single-rank behaviour outside a call (plain PyTensor, ``as_theano``), 
 mismatch raises on every rank and changes nothing, bad counts, too few rows, a root out of
 range, ``mode="JAX"`` refused when the function is made in a CPU session.  The JAX pass
 (scripts/test.sh) runs the same cases on JAX CPU ranks."""
+import time
 import types
 
 import numpy as np
@@ -364,31 +365,47 @@ class TestOps:
 # ---- collectives inside a scan -----------------------------------------------------------------
 
 def test_collectives_inside_scan():
-    """A ``scan`` whose step holds an in-graph all-reduce: the call runs on every rank at
-    once (it once ran the master's share first, as for a graph without collectives, and
-    waited for ever in the first collective), its value is the serial one, and so are the
-    next calls (its thousands of meetings once ran past the tokens of one command into
-    the next one's).  Under JAX the graph is refused when it is made."""
+    """A ``scan`` whose step holds an in-graph all-reduce of a value that changes every
+    step (so it stays inside the loop): the call runs on every rank at once (it once ran
+    the master's share first, as for a graph without collectives, and waited for ever in
+    the first collective), its value is the serial one, and so are the next calls (its
+    thousands of meetings once ran past the tokens of one command into the next one's).
+    A scan whose length differs between the ranks (over a rank's own rows) raises on the
+    rank left waiting, instead of waiting for ever, and applies nothing.  Under JAX such
+    graphs are refused when they are made."""
     steps, width = 2100, 30000            # every step far past the small-message size
     x = T.matrix("x")
-    total = pytensor.scan(lambda acc, v: acc + ops.all_reduce(v), outputs_info=[T.zeros((width,), "float64")],
-                          non_sequences=[T.repeat(x.sum(axis=0), width // 3)], n_steps=steps,
-                          return_updates=False)
-    once = ops.all_reduce(T.repeat(x.sum(axis=0), width // 3))
+    v = x.sum(axis=0)
+    total = pytensor.scan(lambda i, acc: acc + ops.all_reduce(T.repeat(v * i, width // 3)),
+                          sequences=[T.arange(1, steps + 1, dtype="float64")],
+                          outputs_info=[T.zeros((width,), "float64")], return_updates=False)
+    once = ops.all_reduce(T.repeat(v, width // 3))
+    rows = pytensor.scan(lambda row, acc: acc + ops.all_reduce(row), sequences=[x],
+                         outputs_info=[T.zeros((3,), "float64")], return_updates=False)
     tu.fork(2)
     try:
         if tu.jax_backend():
             with pytest.raises(TypeError, match="inside a scan"):
                 synk.function([x], (total[-1], None))
             return
+        u = pytensor.shared(np.zeros(3), name="u_scan")
         f = synk.function([x], (total[-1], None))
         g = synk.function([x], (once, None))
+        uneven = synk.function([x], (rows[-1], None), updates=[(u, u + 1)])
         synk.distribute()
         X = np.random.default_rng(5).standard_normal((8, 3))
-        np.testing.assert_allclose(f(X), steps * np.repeat(X.sum(axis=0), width // 3), rtol=1e-9)
+        want = steps * (steps + 1) / 2 * np.repeat(X.sum(axis=0), width // 3)
+        np.testing.assert_allclose(f(X), want, rtol=1e-9)
         for seed in range(6, 12):
             X = np.random.default_rng(seed).standard_normal((8, 3))
             np.testing.assert_allclose(g(X), np.repeat(X.sum(axis=0), width // 3), rtol=1e-12)
+        for X in (np.ones((7, 3)), np.ones((7, 3))):          # rank 0: 3 rows, rank 1: 4
+            t0 = time.monotonic()
+            with pytest.raises(synk.WorkerError, match="different numbers of collectives"):
+                uneven(X)
+            assert time.monotonic() - t0 < 30
+        assert [synk.get_value(r, u).tolist() for r in range(2)] == [[0.0] * 3] * 2
+        np.testing.assert_allclose(g(X), np.repeat(X.sum(axis=0), width // 3), rtol=1e-12)
     finally:
         synk.close()
 

@@ -35,7 +35,7 @@ from ...messages import OK, Command, Reply
 
 CMD_SEQ, ABORT_SEQ, MASTER_PID = 0, 1, 2
 BASE, STRIDE = 8, 8                # per-rank fields, one cache line per rank
-GEN, REPLY_SEQ, ARRIVE, VOTE, HOST_ARRIVE, REPLY_OK = 0, 1, 2, 3, 4, 5
+GEN, REPLY_SEQ, ARRIVE, VOTE, HOST_ARRIVE, REPLY_OK, DONE = 0, 1, 2, 3, 4, 5, 6
 STEPS = 1 << 24                    # barriers and votes per command at most (a scan of collectives)
 
 
@@ -185,6 +185,7 @@ class ShmControl:
         return int(self.ctrl[CMD_SEQ])
 
     def collect(self, seq, ranks, what="command"):
+        self.set_field(self.rank, DONE, seq)     # this rank's share of the command is done
         for r in ranks:
             self.waiter.wait(lambda: self.get_field(r, REPLY_SEQ) == seq, self.sleep,
                              owed=lambda: [x for x in ranks if self.get_field(x, REPLY_SEQ) != seq], what=what)
@@ -227,6 +228,7 @@ class ShmControl:
             self.set_field(self.rank, REPLY_OK, seq)
         else:
             self.mailbox.write(seq, reply.to_wire())
+        self.set_field(self.rank, DONE, seq)
         self.set_field(self.rank, REPLY_SEQ, seq)
         self.wake([self.master_rank])
 
@@ -305,7 +307,18 @@ class ShmControl:
                 raise Aborted("another rank failed during this command")
             return False
 
-        self.waiter.wait(ready, self.sleep, owed=late, what=what)
+        self.waiter.wait(ready, self.sleep, owed=late, what=what, hopeless=lambda: self._finished(late))
+
+    def _finished(self, late):
+        """RuntimeError when a rank this meeting waits for has finished its share of the
+        command: it will never arrive (the ranks ran different numbers of collectives)."""
+        done = [r for r in late() if r != self.lead and self.get_field(r, DONE) == self.seq]
+        if done:
+            raise RuntimeError(
+                f"rank(s) {done} finished their part of this command while rank {self.rank} waits for them "
+                f"in its collective or barrier number {self.step}: the ranks ran different numbers of "
+                "collectives (a scan or loop over a rank's own rows?); every rank must run the same "
+                "collectives in the same order")
 
     def barrier(self, check_after=True):
         self._meet(ARRIVE, self.sync_slots)
