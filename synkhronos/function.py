@@ -44,6 +44,11 @@ class Function:
         self._session = session
         self._inputs = as_list(inputs, "inputs")
         self._bcast = as_list(bcast_inputs, "bcast_inputs")
+        both = [v for v in self._bcast if any(v is i for i in self._inputs)]
+        if both:
+            raise ValueError(f"{', '.join(map(str, both))} is in both inputs and bcast_inputs: list each input "
+                             "once (inputs are split over the ranks, bcast_inputs given whole to every rank; "
+                             "a call takes the inputs, then the bcast_inputs)")
         self._all_inputs = self._inputs + self._bcast
         out_vars, self._output_modes, self._return_list = parse_outputs(outputs)
         ups = parse_updates(updates)

@@ -659,9 +659,48 @@ def scenario_in_graph(n):
     _result(failed=ck.failed, checks=ck.n, counts=counts.tolist())
 
 
+def scenario_uneven(n):
+    """A scan whose length differs between ranks (so their numbers of in-graph collectives
+    differ): the longer ranks on the master's own host only, all of the master's host, all
+    of the other host.  Each call raises at once, naming the ranks that finished, instead of
+    waiting for ever (the first call of a function has no timeout), applies nothing, and
+    the session goes on."""
+    import pytensor
+    import pytensor.tensor as T
+    import synkhronos as synk
+    from synkhronos import ops
+    info = _session(n)
+    x, longer = T.matrix("x"), T.lvector("longer")
+    steps = T.switch(T.any(T.eq(longer, ops.this_rank())), 5, 3)
+    u = pytensor.shared(np.zeros(3), name="u")
+    out = pytensor.scan(lambda i, acc, s: acc + ops.all_reduce(s * i), sequences=[T.arange(1, 10)],
+                        non_sequences=[x.sum(axis=0)], outputs_info=[T.zeros((3,), "float64")], n_steps=steps,
+                        return_updates=False)
+    f = synk.function([x], (out[-1], None), updates=[(u, u + 1)], bcast_inputs=[longer])
+    g = synk.function([x], (ops.all_reduce(x.sum(axis=0)), None))
+    synk.distribute()
+    home = info.ranks[0].host
+    cases = {"rank 0": [0], "the master's host": [r.rank for r in info.ranks if r.host == home],
+             "the other host": [r.rank for r in info.ranks if r.host != home]}
+    X = np.ones((2 * info.n, 3))
+    res = {}
+    for name, ranks in cases.items():
+        t0 = time.monotonic()
+        try:
+            f(X, np.asarray(ranks, np.int64))
+            res[name] = ("no error", 0.0)
+        except Exception as e:                     # (WorkerError or the master's own)
+            res[name] = (type(e).__name__ + ": " + str(e).strip().splitlines()[-1][:300], time.monotonic() - t0)
+    res["unchanged"] = all(np.array_equal(synk.get_value(r, u), np.zeros(3)) for r in range(info.n))
+    res["after"] = np.asarray(g(X)).tolist()
+    synk.close()
+    _result(**res, n=info.n)
+
+
 if __name__ == "__main__":
     name, args = sys.argv[1], sys.argv[2:]
     {"features": scenario_features, "sizes": scenario_sizes, "train": scenario_train, "fault": scenario_fault,
      "step_fails": scenario_step_fails, "in_graph": scenario_in_graph,
      "ctrl_c_slow": scenario_ctrl_c_slow, "root_lost": scenario_root_lost,
-     "ps": scenario_ps, "resume": scenario_resume, "elastic": scenario_elastic}[name](*args)
+     "ps": scenario_ps, "resume": scenario_resume, "elastic": scenario_elastic,
+     "uneven": scenario_uneven}[name](*args)

@@ -455,6 +455,9 @@ def test_update_modes_are_checked_in_the_master(assert_clean):
             synk.function([x], updates=[(fv, T.sum(x, axis=0), "gather")])
         with pytest.raises(ValueError, match="'share'"):
             synk.function([x], updates=[(fv, T.sum(x, axis=0), "shares")])
+        y = T.vector("y", dtype="float64")       # an input listed as scattered and as broadcast
+        with pytest.raises(ValueError, match="y is in both inputs and bcast_inputs"):
+            synk.function([x, y], (T.sum(x) + T.sum(y), "sum"), bcast_inputs=[y])
     finally:
         synk.close()
     assert_clean()

@@ -183,6 +183,21 @@ def test_hosts_broadcast_root_lost(hosts):
     assert_hosts_clean(hosts)
 
 
+def test_hosts_uneven_collectives(hosts):
+    """A scan whose length differs between the ranks of two hosts (the longer ones: rank 0
+    alone, the master's host, the other host): each call ends within seconds with an error
+    naming who finished (a rank waiting in a collective, a host waiting between hosts, or
+    the master seeing the other host's ranks wait), not a wait for ever; nothing applied,
+    the session goes on, nothing left."""
+    p, info, res = run_hosts(hosts, "uneven", "4")
+    assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
+    for case in ("rank 0", "the master's host", "the other host"):
+        what, seconds = res[case]
+        assert "different numbers of collectives" in what and seconds < 10, (case, res)
+    assert res["unchanged"] and res["after"] == [2.0 * res["n"]] * 3, res
+    assert_hosts_clean(hosts)
+
+
 @pytest.mark.parametrize("ranks", [RANKS[0], pytest.param(RANKS[1].values[0], id="JAX", marks=pytest.mark.slow)])
 def test_hosts_sigint_storm(hosts, ranks):
     """test_faults' SIGINT storm on 4 ranks over two hosts: calls, training steps (plain,

@@ -177,7 +177,7 @@ def _mpi_master(spec):
     waiter.service = hub.service
     launcher = implementation("launcher", "mpi")(implementation("launcher", "subprocess")(), hub, [])
     mpi_hosts.start_agents(sizes, dict(spec.worker_settings, n=device.n, master_rank=0), device.config())
-    coll = Collectives(w, lambda: (hub.service(), hub.check()))
+    coll = Collectives(w, lambda: (hub.service(), hub.check()), hub.finished_hosts)
     control = implementation("control", "mpi")(w, host0, hub, host_ranks, waiter, coll)
     hier = implementation("comm", "hier")(prefix, 0, host0, True, 0, sizes, 0, w=w, coll=coll)
     comm = _comm_stack(hier, device, 0, device.n, 0, control)

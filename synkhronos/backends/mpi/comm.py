@@ -106,7 +106,8 @@ class HierComm:
                     return now - aborted[0] > ABORT_GRACE_S
                 try:
                     self.ctl.waiter.wait(ready, self.ctl.sleep, owed=lambda: [],
-                                         what="a collective between hosts", keep_hot=OP_HOT)
+                                         what="a collective between hosts", keep_hot=OP_HOT,
+                                         hopeless=self._others_finished)
                     if not done:
                         raise Aborted("another rank failed during this collective")
                 except BaseException:
@@ -128,6 +129,17 @@ class HierComm:
         # raises the same error), else Aborted
         self.ctl.host_barrier(grace=ABORT_GRACE_S)
         return self.requests.answer_obj(token)
+
+    def _others_finished(self):
+        """RuntimeError (the master, waiting for an operation between hosts) once every rank
+        of another host has finished the command: that host never joins the operation."""
+        hosts = self.coll.finished(self.ctl.seq) if self.coll.finished is not None else []
+        if hosts:
+            raise RuntimeError(
+                f"the ranks of host(s) {', '.join(hosts)} finished their part of this command while the "
+                "master's host waits for them in a collective between hosts: the ranks ran different "
+                "numbers of collectives (a scan or loop over a rank's own rows?); every rank must run "
+                "the same collectives in the same order")
 
     def _host_buffer(self, key, kind, dtype, count):
         """A buffer of the host (owned by its first rank) for ``key``: every rank's view, and

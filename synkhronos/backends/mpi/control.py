@@ -38,6 +38,7 @@ host then exit and free the host's shared memory (MPICH's own ``mpich_shm_*`` fi
 included); an uncaught exception in an MPI process ends the job (``MPI_Abort``) instead of
 hanging it."""
 import pickle
+import time
 
 import numpy as np
 
@@ -66,6 +67,7 @@ def host_block(need, ranks):
 
 
 INLINE_BYTES = 32 << 10      # a command's data up to this size travels inside its message
+_STUCK_LOOK_S = 1.0          # a wait for another host's replies looks at its ranks' flights this often
 
 
 class HierControl:
@@ -142,12 +144,30 @@ class HierControl:
         if not remote:
             return
         got = lambda: self.hub.replies.get(seq, {})  # noqa: E731
+        look = [time.monotonic() + _STUCK_LOOK_S]
         self.waiter.wait(lambda: all(r in got() for r in remote), self.local.sleep,
-                         owed=lambda: [r for r in remote if r not in got()], what=what)
+                         owed=lambda: [r for r in remote if r not in got()], what=what,
+                         hopeless=lambda: self._stuck_elsewhere(seq, look))
         reps = self.hub.replies.pop(seq)
         for r in remote:
             yield r, reps[r]
         self.hub.replies = {s: v for s, v in self.hub.replies.items() if s > seq}
+
+    def _stuck_elsewhere(self, seq, look):
+        """RuntimeError when a rank of another host waits for the other hosts inside command
+        ``seq`` (a collective, barrier or vote between hosts) while this host's ranks have
+        all finished it: the wait can never end.  Looked at (the other hosts' flight
+        records: a message each) every ``_STUCK_LOOK_S`` seconds of a wait for replies."""
+        now = time.monotonic()
+        if now < look[0]:
+            return
+        for f in self.hub.remote_flights(0.2):
+            if f.command == seq and f.waiting and (f.waiting == "a collective between hosts" or -1 in f.waiting_on):
+                raise RuntimeError(
+                    f"rank {f.rank} ({f.host}) waits for {f.waiting} in this command, which every rank of the "
+                    "master's host has finished: the ranks ran different numbers of collectives (a scan or "
+                    "loop over a rank's own rows?); every rank must run the same collectives in the same order")
+        look[0] = time.monotonic() + _STUCK_LOOK_S
 
     def peek(self, seq, rank):
         if rank in self.remote:

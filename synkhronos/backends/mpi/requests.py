@@ -149,8 +149,9 @@ class Collectives:
     operation started on one host and not on another, and MPI matches collective operations
     by their order alone, so the old communicator is given up with whatever is pending on it."""
 
-    def __init__(self, w, idle):
+    def __init__(self, w, idle, finished=None):
         self.w, self.idle = w, idle
+        self.finished = finished        # (the master) seq -> the hosts that finished that command
         self.comm = w.session_comm(idle)
         self.abandoned = False          # an operation on the current communicator was given up
         self.generation = 0
