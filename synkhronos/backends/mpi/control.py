@@ -144,7 +144,7 @@ class HierControl:
         if not remote:
             return
         got = lambda: self.hub.replies.get(seq, {})  # noqa: E731
-        look = [time.monotonic() + _STUCK_LOOK_S]
+        look = [time.monotonic() + _STUCK_LOOK_S, {}]      # (next look, {rank: its wait's seconds})
         self.waiter.wait(lambda: all(r in got() for r in remote), self.local.sleep,
                          owed=lambda: [r for r in remote if r not in got()], what=what,
                          hopeless=lambda: self._stuck_elsewhere(seq, look))
@@ -157,17 +157,23 @@ class HierControl:
         """RuntimeError when a rank of another host waits for the other hosts inside command
         ``seq`` (a collective, barrier or vote between hosts) while this host's ranks have
         all finished it: the wait can never end.  Looked at (the other hosts' flight
-        records: a message each) every ``_STUCK_LOOK_S`` seconds of a wait for replies."""
+        records: a message each) every ``_STUCK_LOOK_S`` seconds of a wait for replies; a
+        rank counts once seen in the same wait at two looks (an operation between hosts may
+        end on one host a moment after the other)."""
         now = time.monotonic()
         if now < look[0]:
             return
+        seen = {}
         for f in self.hub.remote_flights(0.2):
             if f.command == seq and f.waiting and (f.waiting == "a collective between hosts" or -1 in f.waiting_on):
-                raise RuntimeError(
-                    f"rank {f.rank} ({f.host}) waits for {f.waiting} in this command, which every rank of the "
-                    "master's host has finished: the ranks ran different numbers of collectives (a scan or "
-                    "loop over a rank's own rows?); every rank must run the same collectives in the same order")
-        look[0] = time.monotonic() + _STUCK_LOOK_S
+                seen[f.rank] = f.waiting_for
+                if f.waiting_for >= look[1].get(f.rank, f.waiting_for) + _STUCK_LOOK_S / 2:   # (the same wait,
+                    raise RuntimeError(                                           # not the end of one)
+                        f"rank {f.rank} ({f.host}) waits for {f.waiting} in this command, which every rank of "
+                        "the master's host has finished: the ranks ran different numbers of collectives (a scan "
+                        "or loop over a rank's own rows?); every rank must run the same collectives in the same "
+                        "order")
+        look[:] = [time.monotonic() + _STUCK_LOOK_S, seen]
 
     def peek(self, seq, rank):
         if rank in self.remote:
