@@ -133,7 +133,9 @@ class HierComm:
     def _others_finished(self):
         """RuntimeError (the master, waiting for an operation between hosts) once every rank
         of another host has finished the command: that host never joins the operation."""
-        hosts = self.coll.finished(self.ctl.seq) if self.coll.finished is not None else []
+        if self.coll.finished is None or self.ctl.aborted():     # (a failure: the abort ends the wait)
+            return
+        hosts = self.coll.finished(self.ctl.seq)
         if hosts:
             raise RuntimeError(
                 f"the ranks of host(s) {', '.join(hosts)} finished their part of this command while the "

@@ -161,7 +161,7 @@ class HierControl:
         rank counts once seen in the same wait at two looks (an operation between hosts may
         end on one host a moment after the other)."""
         now = time.monotonic()
-        if now < look[0]:
+        if now < look[0] or self.local.aborted():         # (a failure: the abort ends their waits)
             return
         seen = {}
         for f in self.hub.remote_flights(0.2):

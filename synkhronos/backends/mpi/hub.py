@@ -64,15 +64,15 @@ class Hub:
         self.flights = {}           # agent -> the flight records it sent last
 
     def finished_hosts(self, seq):
-        """The other hosts all of whose ranks have replied to command ``seq`` (none of them
-        takes part in a collective of it any more)."""
+        """The other hosts all of whose ranks have replied "ok" to command ``seq`` (none of
+        them takes part in a collective of it any more, and none failed: a failure aborts)."""
         got = self.replies.get(seq)
         if not got:
             return []
         hosts = {}
         for r, host, _ in self.ranks_info:
             hosts.setdefault(host, []).append(r)
-        return [h for h, ranks in hosts.items() if all(r in got for r in ranks)]
+        return [h for h, ranks in hosts.items() if all(r in got and got[r].status == "ok" for r in ranks)]
 
     def service(self):
         # forwarding and deciding are not split by an interrupt: a vote decided here is

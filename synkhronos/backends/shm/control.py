@@ -312,6 +312,8 @@ class ShmControl:
     def _finished(self, late):
         """RuntimeError when a rank this meeting waits for has finished its share of the
         command: it will never arrive (the ranks ran different numbers of collectives)."""
+        if self.aborted():              # (a rank that failed aborted first: that ends the wait)
+            return
         done = [r for r in late() if r != self.lead and self.get_field(r, DONE) == self.seq]
         if done:
             raise RuntimeError(
