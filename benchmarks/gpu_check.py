@@ -12,11 +12,14 @@ collectives need ``jax.distributed`` set up before any JAX use in the master).
   its own device; n=2 through the host (staged), on one GPU (``SYNK_GPUS=0,0``) or the CPU,
   adding on the device and on the host (``SYNK_STAGED_REDUCE``).
   Bus bandwidth as nccl-tests: bytes * 2(n-1)/n / time.
+* ``profile``: where a call's time goes (cProfile of the master, both sides): the tiny
+  function and the MLP step at batch 256 from host memory, synkhronos n=1 against plain
+  PyTensor JAX; the functions with the most own time, per call.
 * ``demos``: training-step time of the CNN and ResNet demos' models (``demos/layers.py``),
   synkhronos n=1 against the same compiled graphs called as plain PyTensor JAX in the master
   (``TrainFunction.serial``), on the same device.
 
-Usage: python benchmarks/gpu_check.py [all|overhead|allreduce|demos] [--quick] [--max-mb N]
+Usage: python benchmarks/gpu_check.py [all|overhead|allreduce|demos|profile] [--quick] [--max-mb N]
 Prints tables and, at the end, every figure beside its goal; writes
 benchmarks/results/gpu_check_<gpu|cpu>.json."""
 import argparse
@@ -242,7 +245,60 @@ def c_demo(a):
     return out
 
 
-CHILDREN = {"overhead": c_overhead, "allreduce": c_allreduce, "demo": c_demo}
+def c_profile(a):
+    import cProfile
+    import pstats
+
+    import pytensor
+    import pytensor.tensor as pt
+    import synkhronos as synk
+    fork(1, a["platform"])
+    sys.path.insert(0, os.path.join(ROOT, "demos"))  # the demos' folder: the demo's model builder
+    from losses import picked                   # demos/losses.py
+    from mnist_mlp import mlp_params            # the demo's MLP (demos/mnist_mlp.py)
+    x, y = pt.fmatrix("x"), pt.fvector("y")
+    z = pt.mean(x.dot(y), axis=0)
+    f = synk.function([x], z, bcast_inputs=[y])
+    f_plain = pytensor.function([x, y], z, mode="JAX")
+    xm, ym = pt.fmatrix("xm"), pt.ivector("ym")
+    params, forward = mlp_params([784, 1024, 1024, 10], 0)
+    loss = -pt.mean(picked(pt.special.log_softmax(forward(xm), axis=1), ym, 10))
+    ups = [(p, p - np.float32(0.01) * g) for p, g in zip(params, pytensor.grad(loss, params))]
+    step = synk.function([xm, ym], loss, updates=ups)
+    step_plain = pytensor.function([xm, ym], loss, updates=ups, mode="JAX")
+    synk.distribute()
+    rng = np.random.default_rng(0)
+    X, Y = rng.standard_normal((8, 4)).astype("float32"), rng.standard_normal(4).astype("float32")
+    XM = rng.standard_normal((256, 784)).astype("float32")
+    YM = rng.integers(0, 10, 256).astype("int32")
+    Xd, Yd, XMd, YMd = synk.data(X), synk.data(Y), synk.data(XM), synk.data(YM)
+    cases = {"tiny, synk (Data)": lambda: float(f(Xd, Yd)), "tiny, plain (numpy)": lambda: float(f_plain(X, Y)),
+             "MLP B=256, synk (Data)": lambda: float(step(XMd, YMd)),
+             "MLP B=256, plain (numpy)": lambda: float(step_plain(XM, YM))}
+    out = {}
+    for name, fn in cases.items():
+        for _ in range(20):
+            fn()
+        calls = a["calls"]
+        prof = cProfile.Profile()
+        t = time.perf_counter()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+        wall = (time.perf_counter() - t) / calls
+        st = pstats.Stats(prof)
+        rows = []
+        for (file, line, func), (cc, nc, tt, ct, callers) in st.stats.items():
+            where = f"{os.path.relpath(file, ROOT) if file.startswith(ROOT) else os.path.basename(file)}:{line}"
+            rows.append((tt / calls, ct / calls, nc / calls, f"{func} ({where})"))
+        rows.sort(reverse=True)
+        out[name] = {"per_call_s": wall, "top": rows[:a["top"]]}
+    synk.close()
+    return out
+
+
+CHILDREN = {"overhead": c_overhead, "allreduce": c_allreduce, "demo": c_demo, "profile": c_profile}
 
 
 # ---- the parent: runs, tables, results ------------------------------------------------------------
@@ -352,13 +408,27 @@ def run_demos(plat, quick):
     return out
 
 
+def run_profile(plat, quick):
+    r = child("profile", {"platform": plat, "calls": 300 if quick else 1000, "top": 18})
+    print("\n== where a call's time goes (cProfile of the master; per call, profiled: slower than unprofiled)")
+    if "error" in r:
+        print("  FAILED:", r["error"])
+        return r
+    for name, c in r.items():
+        print(f"  {name}: {fmt_t(c['per_call_s'])} a call")
+        print("        own        total   calls  function")
+        for own, total, calls, func in c["top"]:
+            print(f"    {fmt_t(own)}  {fmt_t(total)}  {calls:6.1f}  {func}")
+    return r
+
+
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "_child":
         res = CHILDREN[sys.argv[2]](json.loads(sys.argv[3]))
         print("RESULT " + json.dumps(res), flush=True)
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", nargs="?", default="all", choices=("all", "overhead", "allreduce", "demos"))
+    ap.add_argument("what", nargs="?", default="all", choices=("all", "overhead", "allreduce", "demos", "profile"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--max-mb", type=int, default=None,
                     help="largest all_reduce (default: 1024 on GPUs, 256 on the CPU)")
@@ -377,13 +447,15 @@ def main():
         results["allreduce"] = run_allreduce(plat, n_gpus, a.quick, max_mb)
     if a.what in ("all", "demos"):
         results["demos"] = run_demos(plat, a.quick)
+    if a.what == "profile":
+        results["profile"] = run_profile(plat, a.quick)
     if GOALS:
         print("\n== goals (issue 21)")
         w = max(len(g[0]) for g in GOALS)
         for figure, measured, target, met in GOALS:
             print(f"  {figure:<{w}}  {measured:>10}  goal {target:<10} {'OK' if met else 'BELOW GOAL'}")
         results["goals"] = [dict(zip(("figure", "measured", "goal", "met"), g)) for g in GOALS]
-    path = write_results(results, f"gpu_check_{plat}.json")
+    path = write_results(results, f"gpu_check_{plat}{'_profile' if a.what == 'profile' else ''}.json")
     print(f"\nresults: {os.path.relpath(path, ROOT)}")
     failed = [k for k, v in results.items() if isinstance(v, dict) and "error" in v]
     return 1 if failed else 0

@@ -2,7 +2,8 @@
 # One command to check the GPU backend (PyTensor's JAX backend, one GPU per rank, collectives
 # through NCCL) on a machine with a GPU; without one it runs in CPU mode and says so.
 #
-#   benchmarks/gpu_check.sh [--quick] [--max-mb N] [--no-tests]
+#   benchmarks/gpu_check.sh [--quick] [--max-mb N] [--no-tests] [--no-jax-suite] [--no-measure]
+#                            [--demos] [--gpu-demos] [--profile]
 #
 # 1. the backend's tests: the GPU tests (tests/test_jax_gpu.py, skipped without a GPU), the
 #    JAX device and XLA-collective tests on CPU ranks, and the functional suite with
@@ -12,6 +13,12 @@
 #    else n=2 on one GPU through the host), the CNN and ResNet demo models' step times.
 # Prints tables; results in benchmarks/results/gpu_check_<gpu|cpu>.json and
 # benchmarks/results/gpu_check_<gpu|cpu>.log.
+# 3. --demos: every bundled demo with its default arguments; --gpu-demos: the MLP, CNN and
+#    ResNet demos with --gpu-size, and ResNet-50 for a few steps; their RESULT lines, warnings
+#    and times (each demo's whole output in benchmarks/results/gpu_check_<gpu|cpu>_demos.log);
+# 4. --profile: where a call's time goes, synkhronos n=1 against plain PyTensor JAX (cProfile).
+# --no-jax-suite leaves out the tests on JAX CPU ranks (CI runs them) but the GPU selection's;
+# --no-measure leaves out step 2.
 #
 # Python: $PYTHON, else .venv/bin/python (scripts/setup.sh test demos jax [gpu]), else python3.
 # It needs synkhronos' dependencies (pytensor, numpy, posix_ipc, threadpoolctl, tqdm), jax
@@ -24,10 +31,20 @@ cd "$ROOT"
 export PYTHONUNBUFFERED=1
 
 run_tests=1
+jax_suite=1
+measure=1
+run_demos=0
+gpu_demos=0
+run_profile=0
 args=()
 for a in "$@"; do
     case "$a" in
         --no-tests) run_tests=0 ;;
+        --no-jax-suite) jax_suite=0 ;;
+        --no-measure) measure=0 ;;
+        --demos) run_demos=1 ;;
+        --gpu-demos) gpu_demos=1 ;;
+        --profile) run_profile=1 ;;
         *) args+=("$a") ;;
     esac
 done
@@ -78,18 +95,64 @@ rc=0
 if [[ $run_tests -eq 1 ]]; then
     echo "== tests: GPU ranks" | tee -a "$LOG"
     "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_jax_gpu.py 2>&1 | tee -a "$LOG" || rc=1
-    echo "== tests: JAX device and XLA collectives on CPU ranks" | tee -a "$LOG"
-    CUDA_VISIBLE_DEVICES= "$PY" -m pytest -q -p no:cacheprovider tests/test_jax_backend.py \
-        tests/test_jax_xla_comm.py tests/test_gpu_selection.py 2>&1 | tee -a "$LOG" || rc=1
-    echo "== tests: functional suite with SYNK_MODE=JAX (CPU ranks)" | tee -a "$LOG"
-    start=$SECONDS
-    CUDA_VISIBLE_DEVICES= SYNK_MODE=JAX "$PY" -m pytest -q -p no:cacheprovider -m "functional and not slow" \
-        2>&1 | tail -n 15 | tee -a "$LOG" || rc=1
-    echo "   ($((SECONDS - start)) s)" | tee -a "$LOG"
+    if [[ $jax_suite -eq 1 ]]; then
+        echo "== tests: JAX device and XLA collectives on CPU ranks" | tee -a "$LOG"
+        CUDA_VISIBLE_DEVICES= "$PY" -m pytest -q -p no:cacheprovider tests/test_jax_backend.py \
+            tests/test_jax_xla_comm.py tests/test_gpu_selection.py 2>&1 | tee -a "$LOG" || rc=1
+    else
+        echo "== tests: GPU selection" | tee -a "$LOG"
+        "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_selection.py 2>&1 | tail -n 3 | tee -a "$LOG" || rc=1
+    fi
+    if [[ $jax_suite -eq 1 ]]; then
+        echo "== tests: functional suite with SYNK_MODE=JAX (CPU ranks)" | tee -a "$LOG"
+        start=$SECONDS
+        CUDA_VISIBLE_DEVICES= SYNK_MODE=JAX "$PY" -m pytest -q -p no:cacheprovider -m "functional and not slow" \
+            2>&1 | tail -n 15 | tee -a "$LOG" || rc=1
+        echo "   ($((SECONDS - start)) s)" | tee -a "$LOG"
+    fi
 fi
 
-echo "== measurements" | tee -a "$LOG"
-"$PY" benchmarks/gpu_check.py all "${args[@]}" 2>&1 | tee -a "$LOG" || rc=1
+if [[ $measure -eq 1 ]]; then
+    echo "== measurements" | tee -a "$LOG"
+    "$PY" benchmarks/gpu_check.py all "${args[@]}" 2>&1 | tee -a "$LOG" || rc=1
+fi
+
+if [[ $run_profile -eq 1 ]]; then
+    "$PY" benchmarks/gpu_check.py profile "${args[@]}" 2>&1 | tee -a "$LOG" || rc=1
+fi
+
+demos=()
+if [[ $run_demos -eq 1 ]]; then
+    demos+=("mnist_mlp.py --no-progress" "mnist_cnn.py --no-progress" "resnet.py --no-progress" "partial_fc.py"
+            "exchange_strategies.py")
+fi
+if [[ $gpu_demos -eq 1 ]]; then
+    demos+=("mnist_mlp.py --no-progress --gpu-size" "mnist_cnn.py --no-progress --gpu-size"
+            "resnet.py --no-progress --gpu-size" "resnet.py --no-progress --resnet50 --epochs 1 --max-steps 5")
+fi
+if [[ ${#demos[@]} -gt 0 ]]; then
+    echo "== demos" | tee -a "$LOG"
+    DEMO_LOG="benchmarks/results/gpu_check_${plat}_demos.log"
+    : > "$DEMO_LOG"
+    for demo in "${demos[@]}"; do
+        start=$SECONDS
+        echo "-- python demos/$demo" >> "$DEMO_LOG"
+        # shellcheck disable=SC2086
+        out="$(timeout "${DEMO_TIMEOUT:-300}" "$PY" demos/$demo 2>&1)"
+        code=$?
+        printf '%s\n' "$out" >> "$DEMO_LOG"
+        result="$(printf '%s\n' "$out" | grep -m1 '^RESULT' || true)"
+        if [[ -z "$result" ]]; then
+            result="(no RESULT line) $(printf '%s\n' "$out" | grep -E 'Error|error' | tail -n 1)"
+        fi
+        warned="$(printf '%s\n' "$out" | grep -c 'Warning')"
+        [[ $code -eq 124 ]] && result="(timed out after ${DEMO_TIMEOUT:-300} s) $result"
+        [[ $code -ne 0 ]] && rc=1
+        printf 'demos/%s: exit %s, %s s, %s warning line(s)\n    %s\n' "$demo" "$code" "$((SECONDS - start))" \
+            "$warned" "$result" | tee -a "$LOG"
+    done
+    echo "   (each demo's whole output: $DEMO_LOG)" | tee -a "$LOG"
+fi
 
 if ! "$PY" scripts/leakcheck.py "$SYNK_PREFIX_LOG" >/dev/null 2>&1; then
     echo "gpu_check: shared memory or processes were left behind" | tee -a "$LOG"

@@ -513,12 +513,12 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
     session = Session(topology, master_rank, profile_workers, debug_enabled(debug), stall, timeout, spin,
                       timeline_path)
     _session = session
+    _exit_on_termination(session)    # before the start: a SIGTERM during it cleans up too
     try:
         session.start(start_timeout)
     except BaseException:
         _session = None
         raise
-    _exit_on_termination(session)
     print(f"Synkhronos: {device.describe()}, master rank {master_rank}.", flush=True)
     return device.n
 

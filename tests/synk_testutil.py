@@ -180,6 +180,22 @@ def _children(marker, ppid):
     return found
 
 
+def processes_with_env(entry):
+    """Live processes (not zombies) whose environment holds ``entry`` (bytes ``NAME=value``)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as fh:
+                env = fh.read().split(b"\0")
+        except OSError:
+            continue
+        if entry in env and pid_running(int(name)):
+            found.append(int(name))
+    return found
+
+
 def worker_children(ppid=None):
     """Live ``synkhronos.worker`` processes whose parent is ``ppid`` (default: this process)."""
     return _children("synkhronos.worker", ppid)

@@ -438,6 +438,55 @@ def test_master_crash_leaves_nothing(tmp_path, sig, target):
             tu.remove_all(info["prefix"])
 
 
+_FORKING_SCRIPT = textwrap.dedent("""
+    import sys, time
+    import synkhronos as synk
+    print("FORKING", flush=True)
+    synk.fork(2)
+    print("FORKED", flush=True)
+    time.sleep(120)
+""")
+
+
+def test_sigterm_while_the_workers_start_leaves_nothing(tmp_path):
+    """SIGTERM to a master inside ``synk.fork()`` (a job cancelled while it starts), at
+    moments spread over the workers' start-up: the master exits with 128 + 15 and nothing of
+    the session is left, no worker and no /dev/shm entry (SIGTERM used to kill a master still
+    starting outright: its control segments stayed)."""
+    script = tmp_path / "master.py"
+    script.write_text(_FORKING_SCRIPT)
+    hit_start = 0
+    for delay in (0.0, 0.05, 0.12, 0.2, 0.3, 0.45, 0.7):
+        log = tmp_path / f"prefixes-{delay}.log"
+        out_path = tmp_path / f"out-{delay}.txt"
+        env = dict(os.environ, SYNK_PREFIX_LOG=str(log))
+        with open(out_path, "w") as out:
+            proc = subprocess.Popen([sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, cwd=str(tmp_path), env=env,
+                                    start_new_session=True, preexec_fn=_default_signals)
+        try:
+            assert tu.wait_until(lambda: proc.poll() is not None or "FORKING" in out_path.read_text(), 120,
+                                 interval=0.005)
+            time.sleep(delay)
+            os.kill(proc.pid, signal.SIGTERM)
+            rc = proc.wait(timeout=30)
+            text = out_path.read_text()
+            assert rc == 128 + signal.SIGTERM, f"exit {rc}:\n{text[-3000:]}"
+            hit_start += "FORKED" not in text
+            prefixes = log.read_text().split() if log.exists() else []
+            for pre in prefixes:
+                assert tu.wait_until(lambda: not tu.shm_entries(pre), 5.0), \
+                    f"{delay} s into fork(): left in /dev/shm: {tu.shm_entries(pre)}"
+            marker = f"SYNK_PREFIX_LOG={log}".encode()
+            assert tu.wait_until(lambda: not tu.processes_with_env(marker), 5.0), \
+                f"{delay} s into fork(): processes left: {tu.processes_with_env(marker)}"
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert hit_start >= 2, "too few signals landed inside fork(): the test does not test"
+
+
 def test_leak_check_looks_only_at_its_own_run(tmp_path, assert_clean):
     """scripts/leakcheck.py (run by scripts/test.sh) reports what a run left, and only that:
     a live session of another run (another prefix log) is not counted; this run's is."""
