@@ -357,6 +357,8 @@ def run_allreduce(plat, n_gpus, quick, max_mb):
         else:
             configs.append(("n=2 on one GPU, host-staged (NCCL refuses one GPU twice), adding on the GPU", 2,
                             {"SYNK_GPUS": "0,0"}, True))
+            configs.append(("same, into the slots by JAX's read and a host copy (SYNK_STAGED_COPY=jax)", 2,
+                            {"SYNK_GPUS": "0,0", "SYNK_STAGED_COPY": "jax"}, False))
             configs.append(("same, adding on the host (SYNK_STAGED_REDUCE=host)", 2,
                             {"SYNK_GPUS": "0,0", "SYNK_STAGED_REDUCE": "host"}, False))
     else:

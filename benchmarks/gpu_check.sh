@@ -16,7 +16,8 @@
 # 3. --demos: every bundled demo with its default arguments; --gpu-demos: the MLP, CNN and
 #    ResNet demos with --gpu-size, and ResNet-50 for a few steps; their RESULT lines, warnings
 #    and times (each demo's whole output in benchmarks/results/gpu_check_<gpu|cpu>_demos.log);
-# 4. --profile: where a call's time goes, synkhronos n=1 against plain PyTensor JAX (cProfile).
+# 4. --profile: where a call's time goes, synkhronos n=1 against plain PyTensor JAX (cProfile),
+#    and whether reading a failed computation raises or hangs (benchmarks/jax_failed_read.py).
 # --no-jax-suite leaves out the tests on JAX CPU ranks (CI runs them) but the GPU selection's;
 # --no-measure leaves out step 2.
 #
@@ -119,6 +120,8 @@ fi
 
 if [[ $run_profile -eq 1 ]]; then
     "$PY" benchmarks/gpu_check.py profile "${args[@]}" 2>&1 | tee -a "$LOG" || rc=1
+    echo "== reading a failed computation: raises or hangs? (why a call waits before it reads)" | tee -a "$LOG"
+    timeout 120 "$PY" benchmarks/jax_failed_read.py 2>&1 | grep -v '^[IWE]0000' | tee -a "$LOG"
 fi
 
 demos=()

@@ -105,8 +105,10 @@ class ReadsAll(Protocol):
     without it (``hier``: the other hosts' values are not in this host's memory) leaves
     the staged path reducing on the host."""
 
-    def read_all(self, items: Sequence, use, what: str, scratch: bool = False) -> Any:
+    def read_all(self, items: Sequence, use, what: str, scratch: bool = False, fill=None) -> Any:
         """Every rank publishes its whole value of each item (equal shapes checked: every
         rank raises alike), then ``use(views)`` runs on every rank, ``views[i][r]`` being
         rank r's value of item i (read-only, valid only inside ``use``); its result is
-        returned once every rank's ``use`` succeeded (``scratch``: a meeting, no vote)."""
+        returned once every rank's ``use`` succeeded (``scratch``: a meeting, no vote).
+        ``fill(i, buffer)``: the caller writes its value of item i into the host buffer
+        that the others read (no copy in between); the items then give shapes and dtypes."""

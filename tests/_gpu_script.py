@@ -81,7 +81,8 @@ def two_on_one():
     try:
         f, w = graph()
         v = pytensor.shared(np.zeros(1, "float32"), name="v")
-        synk.function([], v.sum())                      # (v: a variable of the session)
+        m = pytensor.shared(np.zeros((1, 1), "float32"), name="m")
+        synk.function([], v.sum() + m.sum())            # (v, m: variables of the session)
         synk.distribute()
         for r in range(2):
             synk.set_value(r, w, np.full(3, r + 1, "float32"))
@@ -95,6 +96,11 @@ def two_on_one():
             synk.all_reduce(v, op)
             got = synk.gather(v, nd_up=1)
             np.testing.assert_array_equal(got, np.stack([want, want]))
+        rows = np.random.default_rng(1).integers(-50, 50, (2 * 512, 1025)).astype("float32")
+        synk.scatter(m, rows)                           # 2 MB a rank, 2-D: read from the GPU as it lies
+        synk.all_reduce(m, "sum")
+        want = rows[:512] + rows[512:]
+        np.testing.assert_array_equal(synk.gather(m, nd_up=1), np.stack([want, want]))
         result(platform=platform(w))
     finally:
         synk.close()

@@ -29,6 +29,9 @@ Settings (environment of the master):
   ``XLA_PYTHON_CLIENT_*`` memory variables, when set, are kept instead.
 * ``SYNK_STAGED_REDUCE``: ``device`` or ``host``: where a host-staged ``all_reduce`` adds
   (default: on the device on GPUs, on the host on the CPU).
+* ``SYNK_STAGED_COPY``: ``driver`` or ``jax``: how a GPU's value goes into its slot when the
+  device adds (default ``driver``: the CUDA driver's copy straight into the page-locked
+  slot; ``jax``: JAX's read, then a host copy).
 * ``SYNK_GPUS``: the GPU of each rank, e.g. ``0,1`` (may repeat a GPU: then collectives go
   through the host, NCCL refusing two ranks on one GPU)."""
 
@@ -38,7 +41,7 @@ import re
 import numpy as np
 
 from . import distributed, generators, runtime
-from .transfers import call_arrays, is_device_array, start_reads, to_device, to_host
+from .transfers import call_arrays, is_device_array, read_into, start_reads, to_device, to_host
 from ..host.device import THREAD_VARS, ThreadLimits, restore_env, usable_cores
 from ...compiling import compiling
 from ...errors import DeviceMemoryError, MasterDied
@@ -340,6 +343,9 @@ class JaxDevice:
 
     def to_device(self, arr):
         return to_device(arr)
+
+    def read_into(self, arr, out):
+        read_into(arr, out)
 
     def call_inputs(self, arrays):
         out, moved = call_arrays(arrays)

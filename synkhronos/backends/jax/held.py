@@ -11,14 +11,14 @@ asynchronously); waiting for the values stays interruptible."""
 import numpy as np
 from pytensor.link.jax.linker import JAXLinker
 
-from .transfers import put_scope
+from .transfers import host_transfers_guarded, put_scope
 from ...signals import deferred
 
 
 class Held:
     """A jitted callable dispatched inside a signal window; host arguments (small call
     inputs: ``transfers.call_arrays``) are transferred by the dispatch as explicit
-    transfers."""
+    transfers (where a transfer guard could refuse them: the scope costs time)."""
 
     __slots__ = ("fn",)
 
@@ -27,7 +27,7 @@ class Held:
 
     def __call__(self, *args):
         with deferred():
-            scope = put_scope() if any(type(a) is np.ndarray for a in args) else None
+            scope = put_scope() if any(type(a) is np.ndarray for a in args) and host_transfers_guarded() else None
             if scope is None:
                 return self.fn(*args)
             with scope():

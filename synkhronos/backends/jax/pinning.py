@@ -69,6 +69,12 @@ class _Pinner:
         finally:
             self.cu.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
 
+    def copy_to_host(self, src, dst, nbytes):
+        if os.getpid() != self.pid:
+            return False
+        return self._in_context(self.cu.cuMemcpyDtoH_v2, ctypes.c_void_p(dst), ctypes.c_uint64(src),
+                                ctypes.c_size_t(nbytes)) == 0
+
     def mapped(self, seg):
         if seg.size < MIN_BYTES or os.getpid() != self.pid:
             return
@@ -96,8 +102,17 @@ class _Pinner:
             self._in_context(self.cu.cuMemHostUnregister, ctypes.c_void_p(addr))
 
 
+def copy_to_host(src, dst, nbytes):
+    """``nbytes`` from device address ``src`` (this process's GPU, computed) to host address
+    ``dst`` by the driver (``cuMemcpyDtoH``: DMA at the link's speed when ``dst`` is
+    page-locked); whether it was done (False: no driver here, or it refused)."""
+    p = _state["pinner"]
+    return p is not None and p.copy_to_host(src, dst, nbytes)
+
+
 def _driver():
     cu = ctypes.CDLL("libcuda.so.1")
+    cu.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
     cu.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
     cu.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
     cu.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]

@@ -11,9 +11,10 @@ only).
 ``all_reduce`` of numeric values combines on the device where the device says so
 (``reduce_on_device``: ``"all"``, or ``"large"`` for values of ``DEVICE_MIN_BYTES`` and more:
 the default on GPUs; ``SYNK_STAGED_REDUCE``): every rank copies its
-value into its page-locked slot, copies the other ranks' slots to its device and reduces
-there in rank order (so every rank computes the same bits), instead of reducing on the
-host and copying the result back: one host copy fewer, and the adds at the GPU's speed."""
+value into its page-locked slot (on a GPU by the copy engine, straight into the slot),
+copies the other ranks' slots to its device and reduces there in rank order (so every rank
+computes the same bits), instead of reducing on the host and copying the result back: no
+host copy, and the adds at the GPU's speed."""
 import sys
 import time
 
@@ -91,7 +92,8 @@ class StagedComm:
                 tl.span("adding on the device", "device", t0, time.time(),
                         {"bytes": sum(a.nbytes for _, a in items), "ranks": len(views[0]) if views else 0})
             return out
-        return self.host.read_all([(k, self._h(a)) for k, a in items], combine, "all_reduce", scratch=scratch)
+        return self.host.read_all(items, combine, "all_reduce", scratch=scratch,
+                                  fill=lambda i, slot: self.device.read_into(items[i][1], slot))
 
     def reduce(self, items, op, root, in_place=True, fence=True):
         if self.n == 1 and in_place:

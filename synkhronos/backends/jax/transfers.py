@@ -4,6 +4,7 @@ Inputs go to the device once, explicitly (``to_device``: a private copy, never a
 host memory that the next call reuses); outputs come back with ``to_host`` (on the CPU a
 read-only view of the device buffer, no copy).  ``wait_ready`` waits for device arrays with
 the control plane's liveness checks (a collective whose peer died may never complete)."""
+import os
 import threading
 
 import numpy as np
@@ -124,6 +125,29 @@ def put_scope():
     return _jax_scope("explicit_device_put_scope")
 
 
+_guard = []                  # [(thread state, process state, ALLOW) of JAX's transfer guard] or [None]
+
+
+def host_transfers_guarded():
+    """Whether a transfer guard may refuse implicit host -> device transfers in this thread
+    now (this thread's level, else the process's, is set and is not "allow"); True where
+    this JAX does not say.  Entering the explicit-transfer scope costs a jitted dispatch
+    ~15-20 µs (JAX CPU, measured): it is entered only when a guard could refuse."""
+    if not _guard:
+        try:
+            from jax._src.lib import guard_lib
+            _guard.append((guard_lib.thread_local_state, guard_lib.global_state, guard_lib.TransferGuardLevel.ALLOW))
+        except Exception:            # noqa: BLE001 - (unknown: as if guarded)
+            _guard.append(None)
+    g = _guard[0]
+    if g is None:
+        return True
+    level = g[0]().host_to_device
+    if level is None:
+        level = g[1]().host_to_device
+    return level is not None and level != g[2]
+
+
 def call_arrays(arrays):
     """A call's inputs as its jitted function takes them: a small host array (up to
     ``_IN_DISPATCH_MAX`` bytes) as a private host copy in JAX's dtype, which the call's
@@ -207,6 +231,59 @@ def to_host(arr):
             return _explicit_read(arr)
         return np.asarray(arr)
     return np.asarray(arr)
+
+
+def read_into(arr, out):
+    """``arr``'s value written into the host array ``out`` (its shape and dtype, C order):
+    from a GPU by the copy engine straight into ``out`` (``pinning.copy_to_host``: 64 MB
+    into page-locked shared memory at the link's speed, no host copy), else a copy of
+    ``to_host(arr)`` (on the CPU a view: one copy in all)."""
+    if local.gpu and _direct_read(arr, out):
+        return
+    np.copyto(out, to_host(arr))
+
+
+_DRIVER_COPY = os.environ.get("SYNK_STAGED_COPY", "driver").strip().lower() != "jax"   # (gpu_check compares)
+
+
+def _direct_read(arr, out):
+    """Whether ``arr`` (one buffer on this process's GPU) was copied into ``out`` by the
+    driver: ``arr`` waited for first (a failed computation raises here); False where this
+    cannot be done (another array type, a sharded array, no driver, a layout not checked)."""
+    from . import pinning
+    if not (_DRIVER_COPY and is_device_array(arr) and out.flags.c_contiguous and out.dtype == arr.dtype
+            and out.shape == arr.shape and out.nbytes and _layout_checked()):
+        return False
+    arr.block_until_ready()
+    try:
+        src = arr.unsafe_buffer_pointer()
+    except Exception:                 # noqa: BLE001 - (not one buffer: JAX's read)
+        return False
+    return pinning.copy_to_host(src, out.ctypes.data, out.nbytes)
+
+
+_layout = []                 # [whether device buffers are dense C-order arrays, as checked once]
+
+
+def _layout_checked():
+    """A GPU buffer read byte for byte gives numpy's C order (checked once on a transposed
+    2-D result against JAX's own read)."""
+    if not _layout:
+        ok = False
+        try:
+            import jax
+            import jax.numpy as jnp
+            from . import pinning
+            a = jax.jit(lambda x: x.T * 2)(jnp.arange(12 * 20, dtype=jnp.float32).reshape(12, 20))
+            a.block_until_ready()
+            want = np.asarray(a)
+            got = np.empty_like(want)
+            ok = pinning.copy_to_host(a.unsafe_buffer_pointer(), got.ctypes.data, got.nbytes) \
+                and np.array_equal(got, want)
+        except Exception:             # noqa: BLE001 - JAX's read then
+            ok = False
+        _layout.append(ok)
+    return _layout[0]
 
 
 def start_reads(arrays):

@@ -351,19 +351,28 @@ class ShmComm:
         self.sync.barrier()              # slots may change only once every rank has read them
         return [res for res, _ in out]
 
-    def read_all(self, items, use, what, scratch=False):
+    def read_all(self, items, use, what, scratch=False, fill=None):
         """For callers that combine the ranks' values elsewhere (on a device): every rank
         publishes its whole value of each item in its slot (equal shapes checked: every rank
         raises alike), then ``use(views)`` runs on every rank, ``views[i][r]`` being rank
         r's value of item i (read-only views of the slots, valid only inside ``use``); its
         result is returned once every rank's ``use`` succeeded (the all-or-nothing vote;
-        ``scratch``: no vote, a meeting).  No slot is written here after the first meeting."""
+        ``scratch``: no vote, a meeting).  No slot is written here after the first meeting.
+        ``fill(i, slot)``, if given, writes this rank's value of item i into its slot itself
+        (a GPU's copy engine straight into the page-locked slot, no host copy); the items'
+        values then need only a ``shape`` and a ``dtype``."""
         if self.n == 1:
             return use([[np.asarray(a)] for _, a in items])
-        for key, arr in items:
-            self._stage(key, arr, own=(0, 0))         # the whole value: every other rank reads it
-        self._meet_signed(items, [np.asarray(a) for _, a in items], what)   # (others may go the host's way)
-        views = [[self.slots.view(key, r, np.asarray(arr).dtype) for r in range(self.n)] for key, arr in items]
+        if fill is None:
+            for key, arr in items:
+                self._stage(key, arr, own=(0, 0))     # the whole value: every other rank reads it
+            arrs = [np.asarray(a) for _, a in items]
+        else:
+            arrs = [self.slots.stage(key, np.dtype(a.dtype), a.shape) for key, a in items]
+            for i, slot in enumerate(arrs):
+                fill(i, slot)
+        self._meet_signed(items, arrs, what)           # (others may go the host's way)
+        views = [[self.slots.view(key, r, arr.dtype) for r in range(self.n)] for (key, _), arr in zip(items, arrs)]
         out = use(views)
         if scratch:
             self.sync.barrier()          # every rank has read the slots
