@@ -146,9 +146,9 @@ if [[ ${#demos[@]} -gt 0 ]]; then
         printf '%s\n' "$out" >> "$DEMO_LOG"
         result="$(printf '%s\n' "$out" | grep -m1 '^RESULT' || true)"
         if [[ -z "$result" ]]; then
-            result="(no RESULT line) $(printf '%s\n' "$out" | grep -E 'Error|error' | tail -n 1)"
+            result="(no RESULT line; last: $(printf '%s\n' "$out" | grep -v '^\s*$' | tail -n 1))"
         fi
-        warned="$(printf '%s\n' "$out" | grep -c 'Warning')"
+        warned="$(printf '%s\n' "$out" | grep -ci 'warning')"
         [[ $code -eq 124 ]] && result="(timed out after ${DEMO_TIMEOUT:-300} s) $result"
         [[ $code -ne 0 ]] && rc=1
         printf 'demos/%s: exit %s, %s s, %s warning line(s)\n    %s\n' "$demo" "$code" "$((SECONDS - start))" \

@@ -41,7 +41,7 @@ def run(scenario, cpu=False, timeout=300):
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_scenarios_on_jax_cpu_ranks(scenario):
     res, out, err = run(scenario, cpu=True)
-    assert "Warning" not in err, err[-3000:]
+    assert "warning" not in err.lower(), err[-3000:]
     if "platform" in res:
         assert res["platform"] == "cpu"
 
@@ -50,7 +50,7 @@ def test_scenarios_on_jax_cpu_ranks(scenario):
 def test_one_gpu_rank_keeps_values_on_the_gpu():
     res, _, err = run("one_rank")
     assert res["platform"] == "gpu"
-    assert "Warning" not in err, err[-3000:]
+    assert "warning" not in err.lower(), err[-3000:]     # (one GPU rank: no word about NCCL either)
 
 
 @needs_gpu

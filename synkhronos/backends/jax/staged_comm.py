@@ -46,8 +46,8 @@ class StagedComm:
     def accepts(self, verb, dtype, op=None, placement="host"):
         if placement != "device" or not self.host.accepts(verb, dtype, op, "host"):
             return False
-        if self.gpu and verb not in ("shapes", "barrier") and getattr(self.host, "rank", 0) == 0:
-            self._warn(verb, dtype, op)       # (one rank says it: once a session, not once a rank)
+        if self.gpu and self.n > 1 and verb not in ("shapes", "barrier") and getattr(self.host, "rank", 0) == 0:
+            self._warn(verb, dtype, op)       # (one rank says it: once a session, not once a rank; none alone)
         return True
 
     def _warn(self, verb, dtype, op):
