@@ -200,9 +200,12 @@ class Function:
         with session.api(require_distributed=True):
             values, num_slices, wanted, sel, sel_s = self._validate(args, kwargs, output_subset, batch, batch_s,
                                                                      num_slices)
-            solo = self._solo(values, then, sel_s, num_slices == 1 and wanted is sel is None)
+            solo = self._solo(values, then, sel, sel_s, num_slices == 1 and wanted is None)
             if solo:                # one rank, nothing to split: the function itself (one GPU's path)
                 arrays = [v.data if isinstance(v, Data) else v for v in values]
+                if sel is not None:     # (``batch``: its rows, as the rank would take them)
+                    arrays = [shards.select(a, sel) if not getattr(v, "minibatch", False) else a[:solo[0]]
+                              for a, v in zip(arrays[:len(self._inputs)], values)] + arrays[len(self._inputs):]
                 outs = self._replica.solo(session.device, arrays, *solo)
                 return outs if self._return_list else (outs[0] if outs else [])
             datas = [self._stage(i, v) for i, v in enumerate(values)]
@@ -218,12 +221,13 @@ class Function:
                 session.lengths.clear()
             return outs
 
-    def _solo(self, values, then, sel_s, whole):
+    def _solo(self, values, then, sel, sel_s, whole):
         """How a one-rank session makes this call itself (``Replica.solo``): its rows, the
         replicas of its follow-ups ``then`` and the ``batch_s`` index (or None); None when
-        it cannot: cold variant, a selector other than ``batch_s`` (``whole``: none, one
-        slice), in-graph collective, command in flight, debug fingerprint or timeline, an
-        extension's follow-up, sliceable shareds with scattered inputs, no rows."""
+        it cannot: cold variant, an output subset or slices (``whole``: neither), in-graph
+        collective, command in flight, debug fingerprint or timeline, an extension's
+        follow-up, sliceable shareds with scattered inputs, no rows.  ``batch`` (``sel``)
+        is checked here as a call plan checks it."""
         session = self._session
         variant = "s" if self._sliceable and sel_s is not None else "f"
         if (not whole or session.n != 1 or self._collective or variant not in self._warm or session.debug
@@ -234,6 +238,10 @@ class Function:
         if self._sliceable:
             rows = shards.check_sliceable(self._sliceable_lengths(), sel_s, None)[0]
             idx = None if sel_s is None else self._replica.selection(sel_s[0], 0, session.device)
+        elif sel is not None:
+            mbs = [getattr(v, "minibatch", False) for v in values[:len(self._inputs)]]
+            rows, idx = batch_rows([len(v) for v, mb in zip(values, mbs) if not mb],
+                                   [len(v) for v, mb in zip(values, mbs) if mb], sel), None
         else:
             lens = {len(v) for v in values[:len(self._inputs)]}
             rows, idx = (lens.pop() if len(lens) == 1 else 0) if lens else 1, None
@@ -302,23 +310,16 @@ class Function:
                                      "must all be the same length")
                 total = lens[0]
                 bounds = shards.split(total, n)
-            elif sel[0] == "range":
-                _, start, stop = sel
-                if full and stop > min(full):
-                    raise OutOfRange(f"batch {start}:{stop} is out of range for inputs of length {min(full)}")
-                total, base = stop - start, start
-                bounds = shards.split(total, n, start)
             else:
-                idx = sel[1]
-                total = len(idx)
-                if full and total and idx.max() >= min(full):
-                    raise OutOfRange(f"batch index {idx.max()} is out of range for inputs of length {min(full)}")
-                kind = "index"
-                bounds = shards.split(total, n)
-                st = self._stage_index(idx)
-                idx_ref, idx_local = array_ref(st), st.data
-            if mb_len and min(mb_len) < total:
-                raise ValueError(f"minibatch inputs of lengths {mb_len} are shorter than the batch ({total} rows)")
+                total = batch_rows(full, mb_len, sel)
+                if sel[0] == "range":
+                    base = sel[1]
+                    bounds = shards.split(total, n, base)
+                else:
+                    kind = "index"
+                    bounds = shards.split(total, n)
+                    st = self._stage_index(sel[1])
+                    idx_ref, idx_local = array_ref(st), st.data
         else:
             bounds = (0,) * (n + 1)
         if self._sliceable and (sel_s is not None or num_slices > 1 or ns or self._collective):
@@ -597,3 +598,22 @@ def _w_call(me, wire, then=()):
     if then:
         follow_up(me, then)
     return None if res is None else (arrays_to_wire(res[0]), res[1])
+
+
+def batch_rows(full, minibatch, sel):
+    """How many rows ``batch`` selector ``sel`` picks from scattered inputs of lengths
+    ``full`` (whole inputs) and ``minibatch`` (``Data`` holding the batch alone), checked:
+    OutOfRange past the shortest whole input, ValueError for a minibatch input too short."""
+    if sel[0] == "range":
+        _, start, stop = sel
+        if full and stop > min(full):
+            raise OutOfRange(f"batch {start}:{stop} is out of range for inputs of length {min(full)}")
+        total = stop - start
+    else:
+        idx = sel[1]
+        total = len(idx)
+        if full and total and idx.max() >= min(full):
+            raise OutOfRange(f"batch index {idx.max()} is out of range for inputs of length {min(full)}")
+    if minibatch and min(minibatch) < total:
+        raise ValueError(f"minibatch inputs of lengths {minibatch} are shorter than the batch ({total} rows)")
+    return total

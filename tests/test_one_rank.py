@@ -116,3 +116,48 @@ def test_one_rank_batch_s_calls_run_the_function_itself():
         np.testing.assert_array_equal(g, X)
     finally:
         synk.close()
+
+
+def test_one_rank_batch_calls_run_the_function_itself():
+    """A warm ``batch`` call of one rank (the demos' step: rows of a ``synk.Data`` holding
+    the training set) runs the function itself: the rows of an index list, a slice or an
+    int, also with a minibatch input and a broadcast input, the values of serial PyTensor
+    on those rows and the updates step after step; a selection out of range, or a minibatch
+    input shorter than the batch, is refused before anything runs, as in any session."""
+    tu.fork(1)
+    try:
+        rng = np.random.default_rng(3)
+        X, Z = rng.standard_normal((12, 3)), rng.standard_normal((5, 3))
+        w = theano.shared(np.ones(3), name="w")
+        x, z, y = T.matrix("x"), T.matrix("z"), T.vector("y")
+        f = synk.function([x], [(x.dot(w).sum(), "sum"), (x * 2, "gather")], bcast_inputs=[y],
+                          updates=[(w, w + 0.1 * x.mean(axis=0) * y)])
+        g = synk.function([x, z], (x.dot(w) + z.dot(w), "gather"))
+        synk.distribute()
+        Xd, Zd = synk.data(X), synk.data(Z, minibatch=True)
+        Y = np.array([1.0, -1.0, 0.5])
+        f(Xd, Y, batch=[0, 1])                        # compiles: the general path
+        W = np.ones(3) + 0.1 * X[[0, 1]].mean(axis=0) * Y
+        for sel, rows in (([3, 1, 7, 3], [3, 1, 7, 3]), (slice(2, 6), list(range(2, 6))), (4, [0, 1, 2, 3]),
+                          (np.array([11]), [11])):
+            sent = tu.commands_sent("call")
+            s, twice = f(Xd, Y, batch=sel)
+            assert tu.commands_sent("call") == sent   # nothing sent: the function itself
+            np.testing.assert_allclose(s, X[rows].dot(W).sum())
+            np.testing.assert_array_equal(twice, 2 * X[rows])
+            W = W + 0.1 * X[rows].mean(axis=0) * Y
+            np.testing.assert_allclose(synk.get_value(0, w), W)
+        g(Xd, Zd, batch=[0])                          # compiles
+        sent = tu.commands_sent("call")
+        np.testing.assert_allclose(g(Xd, Zd, batch=[6, 2, 9]), X[[6, 2, 9]].dot(W) + Z[:3].dot(W))
+        np.testing.assert_allclose(g(Xd, Zd, batch=slice(7, 12)), X[7:12].dot(W) + Z.dot(W))
+        assert tu.commands_sent("call") == sent
+        with pytest.raises(synk.OutOfRange, match="out of range"):
+            f(Xd, Y, batch=[12])
+        with pytest.raises(synk.OutOfRange, match="out of range"):
+            f(Xd, Y, batch=slice(10, 13))
+        with pytest.raises(ValueError, match="shorter than the batch"):
+            g(Xd, Zd, batch=[0, 1, 2, 3, 4, 5])
+        np.testing.assert_allclose(synk.get_value(0, w), W)
+    finally:
+        synk.close()
