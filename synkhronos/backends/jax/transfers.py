@@ -274,9 +274,9 @@ def _layout_checked():
             import jax
             import jax.numpy as jnp
             from . import pinning
-            a = jax.jit(lambda x: x.T * 2)(jnp.arange(12 * 20, dtype=jnp.float32).reshape(12, 20))
+            a = jax.jit(lambda: jnp.arange(12 * 20, dtype=jnp.float32).reshape(12, 20).T * 2)()
             a.block_until_ready()
-            want = np.asarray(a)
+            want = _explicit_read(a)         # (no transfer a transfer guard could refuse)
             got = np.empty_like(want)
             ok = pinning.copy_to_host(a.unsafe_buffer_pointer(), got.ctypes.data, got.nbytes) \
                 and np.array_equal(got, want)
