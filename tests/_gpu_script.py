@@ -50,11 +50,14 @@ def one_rank():
         synk.distribute()
         xd = synk.data(np.ones((4, 3), "float32"))
         f(xd)
+        f(xd, batch=[0])                                # (compiles nothing new: warm)
         with jax.transfer_guard("disallow"):
             out = f(xd)
+            picked = f(xd, batch=[3, 1])                # rows selected on the host, sent explicitly
             synk.all_reduce(w, "sum")
         assert out[0].dtype == np.float32
-        np.testing.assert_allclose(synk.get_value(0, w), 3.0)
+        np.testing.assert_allclose(picked[0], 2 * 3 * 4.0)   # w was 4 before the batch call
+        np.testing.assert_allclose(synk.get_value(0, w), 5.0)
         # large inputs (page-locked shared memory on a GPU), rewritten between calls: each
         # call reads what the Data held when it was made, nothing later
         big = synk.data(np.zeros((1 << 16, 16), "float32"))                 # 4 MB
