@@ -577,6 +577,8 @@ def scenario_sigint_storm(target, n, seconds):
     for pv, st in steps.values():
         st(np.zeros(n, pv.dtype))
         synk.broadcast([pv, st.state_vars[0]], [np.zeros(len(pv.get_value()), pv.dtype)] * 2)
+    XB = np.arange(12.0) % 5 - 2                  # rows that ``batch`` picks (one rank: its own path)
+    xd = synk.data(XB)
     for num_slices in (1, 2, 3):                  # compile every variant before the storm
         f(np.arange(6.0), num_slices=num_slices)
         g(np.zeros(6), num_slices=num_slices)
@@ -628,8 +630,8 @@ def scenario_sigint_storm(target, n, seconds):
     jax_ranks = (os.environ.get("SYNK_MODE") or "").strip().upper() == "JAX"
     t_end = time.monotonic() + seconds
     while storm.raised < target and time.monotonic() < t_end:
-        op = pick.choice(["f", "g", "h", "all_reduce", "broadcast", "scatter", "gather", "set_get", "ingraph",
-                          "step", "fp16", "big"])
+        op = pick.choice(["f", "g", "g_batch", "h", "all_reduce", "broadcast", "scatter", "gather", "set_get",
+                          "ingraph", "step", "fp16", "big"])
         res["ops"][op] = res["ops"].get(op, 0) + 1
         k = int(rng.integers(0, 13))
         xs = rng.integers(-5, 6, k).astype(np.float64)
@@ -645,6 +647,20 @@ def scenario_sigint_storm(target, n, seconds):
             if ok and out[0] != xs.sum():
                 mismatch("g sum", out[0], xs.sum())
             settle(ok, "w", w, after, "g update")
+        elif op == "g_batch":                     # a list of rows (repeats allowed) or a slice
+            if pick.random() < 0.6:
+                sel = [pick.randrange(12) for _ in range(pick.randint(1, 7))]
+            else:
+                lo = pick.randrange(12)
+                sel = slice(lo, pick.randint(lo + 1, 12))
+            rows = XB[sel]
+            bb = split(len(rows), n)
+            after = [model["w"][r] + rows[bb[r]:bb[r + 1]].sum() if bb[r + 1] > bb[r] else model["w"][r]
+                     for r in range(n)]
+            ok, out = storm.attempt(lambda: g(xd, batch=sel))
+            if ok and out[0] != rows.sum():
+                mismatch("g batch sum", out[0], rows.sum())
+            settle(ok, "w", w, after, "g batch update")
         elif op == "h":
             if k == 0 and jax_ranks:      # an empty max raises on JAX, in plain PyTensor JAX too
                 xs = rng.integers(-5, 6, 1).astype(np.float64)
