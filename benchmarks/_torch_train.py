@@ -40,6 +40,13 @@ is one more request.
 ``run`` (standalone): ``python _torch_train.py run --sizes 784,512,512,10 --batches
 64,256,1024`` times both contenders (median of ``--reps`` runs of ``--steps`` steps, after
 a warm-up run) and prints a JSON object.
+
+``device`` (``benchmarks/gpu_check.py``'s PyTorch contender): one process on a GPU (CUDA,
+else the CPU), each step's batch from host memory (page-locked, copied without blocking)
+and its loss read, as gpu_check's synkhronos and plain PyTensor JAX steps do; float32
+matmuls as TF32 on the GPU (``set_float32_matmul_precision("high")``), as JAX's default
+there.  ``python _torch_train.py device --sizes 784,1024,1024,10 --batches 256,4096 --rule
+sgd --lr 0.01`` prints a JSON object.
 """
 import argparse
 import json
@@ -291,9 +298,46 @@ def standalone(args):
     print(json.dumps(res, indent=1))
 
 
+def on_device(args):
+    """``device``: the step on one device, a batch from host memory every step."""
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    if cuda:
+        torch.set_float32_matmul_precision("high")
+    sizes = [int(s) for s in args.sizes.split(",")]
+    res = dict(torch=torch.__version__, python=sys.version.split()[0], device=str(dev),
+               gpu=torch.cuda.get_device_name(0) if cuda else None, tf32=cuda, sizes=sizes, rule=args.rule,
+               lr=args.lr, rows=[])
+    for b in [int(b) for b in args.batches.split(",")]:
+        torch.manual_seed(0)
+        model = make_model(sizes).to(dev)
+        opt, impl = make_optimizer(model.parameters(), args.rule, args.lr)
+        g = torch.Generator().manual_seed(1)
+        X, Y = torch.rand(b, sizes[0], generator=g), torch.randint(0, sizes[-1], (b,), generator=g)
+        if cuda:
+            X, Y = X.pin_memory(), Y.pin_memory()
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(X.to(dev, non_blocking=True)), Y.to(dev, non_blocking=True))
+            loss.backward()
+            opt.step()
+            return float(loss.detach())    # read every step, as the other contenders' steps
+        for _ in range(10):
+            step()
+        ts = []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            ts.append((time.perf_counter() - t0) / args.steps)
+        res["rows"].append({"batch": b, "s_per_step": statistics.median(ts), "optimizer": impl})
+    print(json.dumps(res))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("mode", choices=("serve", "run"))
+    ap.add_argument("mode", choices=("serve", "run", "device"))
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                     help="threads of the single process (default: all usable cores)")
     ap.add_argument("--world", type=int, default=2, help="DDP processes, 1 thread each")
@@ -304,7 +348,7 @@ def main():
     ap.add_argument("--rule", choices=("adam", "sgd"), default="adam")
     ap.add_argument("--lr", type=float, default=1e-3)
     args = ap.parse_args()
-    (serve if args.mode == "serve" else standalone)(args)
+    {"serve": serve, "run": standalone, "device": on_device}[args.mode](args)
 
 
 if __name__ == "__main__":

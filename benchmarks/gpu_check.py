@@ -320,6 +320,38 @@ def goal(figure, measured, target, fmt="{:.3f}x", higher=True):
     return "OK" if met else "BELOW GOAL"
 
 
+def torch_python():
+    """The interpreter of the PyTorch contender: ``$TORCH_PYTHON``, else this one when it
+    has PyTorch, else ``benchmarks/.torch-venv``'s (``bench_training.py --torch`` makes it);
+    None when there is none."""
+    import importlib.util
+    if os.environ.get("TORCH_PYTHON"):
+        return os.environ["TORCH_PYTHON"]
+    if importlib.util.find_spec("torch") is not None:
+        return sys.executable
+    venv = os.path.join(HERE, ".torch-venv", "bin", "python")
+    return venv if os.path.exists(venv) else None
+
+
+def run_torch(shape, batches, quick):
+    """The MLP step in PyTorch on this machine's GPU (else its CPU), batches from host
+    memory (``_torch_train.py device``): {batch: seconds a step} and what ran, or an error."""
+    py = torch_python()
+    if py is None:
+        return {"error": "PyTorch not installed (pip install torch, or TORCH_PYTHON=an interpreter that has it)"}
+    cmd = [py, os.path.join(HERE, "_torch_train.py"), "device", "--sizes", ",".join(map(str, shape)),
+           "--batches", ",".join(map(str, batches)), "--rule", "sgd", "--lr", "0.01",
+           "--reps", "3" if quick else "7", "--steps", "20" if quick else "50"]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": "timed out"}
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode or not lines:
+        return {"error": f"exit {p.returncode}: " + " | ".join((p.stderr or "").strip().splitlines()[-5:])}
+    return json.loads(lines[-1])
+
+
 def run_overhead(plat, quick):
     args = {"platform": plat, "n_in": 784, "hidden": 1024, "batches": [256, 4096],
             "reps": 200 if quick else 1000, "rounds": 2 if quick else 3}
@@ -344,6 +376,21 @@ def run_overhead(plat, quick):
         print(f"  {' ' * len(shape)}      batch {B}, data set on the device (batch_s): plain "
               f"{fmt_t(m['plain_resident'])}  synk {fmt_t(m['synk_resident'])}  ratio {res:.3f}x (goal >= 0.98x)  "
               f"{goal(f'MLP step B={B}, data on the device: synk n=1 / plain JAX', res, 0.98)}")
+    t = r["torch"] = run_torch(r["mlp_shape"], [int(B) for B in r["mlp"]], quick)
+    if "error" in t:
+        print(f"  PyTorch: not measured ({t['error']})")
+        return r
+    where = t["gpu"] or "the CPU"
+    print(f"  PyTorch {t['torch']} on {where} ({'TF32 matmuls, ' if t['tf32'] else ''}page-locked host batches, "
+          f"the loss read every step), same MLP and SGD step:")
+    for row in t["rows"]:
+        m = r["mlp"].get(str(row["batch"]))
+        if m is None:
+            continue
+        print(f"    batch {row['batch']}: PyTorch {fmt_t(row['s_per_step'])}   synk / PyTorch throughput "
+              f"{row['s_per_step'] / m['synk_data']:.3f}x   plain PyTensor JAX / PyTorch "
+              f"{row['s_per_step'] / m['plain_numpy']:.3f}x" + ("" if t["gpu"] or plat == "cpu" else
+                                                                "  (PyTorch on the CPU: not comparable)"))
     return r
 
 
