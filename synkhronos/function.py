@@ -240,8 +240,8 @@ class Function:
             idx = None if sel_s is None else self._replica.selection(sel_s[0], 0, session.device)
         elif sel is not None:
             mbs = [getattr(v, "minibatch", False) for v in values[:len(self._inputs)]]
-            rows, idx = batch_rows([len(v) for v, mb in zip(values, mbs) if not mb],
-                                   [len(v) for v, mb in zip(values, mbs) if mb], sel), None
+            lens = [[len(v) for v, mb in zip(values, mbs) if mb == want] for want in (False, True)]
+            rows, idx = shards.batch_rows(*lens, sel), None
         else:
             lens = {len(v) for v in values[:len(self._inputs)]}
             rows, idx = (lens.pop() if len(lens) == 1 else 0) if lens else 1, None
@@ -311,7 +311,7 @@ class Function:
                 total = lens[0]
                 bounds = shards.split(total, n)
             else:
-                total = batch_rows(full, mb_len, sel)
+                total = shards.batch_rows(full, mb_len, sel)
                 if sel[0] == "range":
                     base = sel[1]
                     bounds = shards.split(total, n, base)
@@ -598,22 +598,3 @@ def _w_call(me, wire, then=()):
     if then:
         follow_up(me, then)
     return None if res is None else (arrays_to_wire(res[0]), res[1])
-
-
-def batch_rows(full, minibatch, sel):
-    """How many rows ``batch`` selector ``sel`` picks from scattered inputs of lengths
-    ``full`` (whole inputs) and ``minibatch`` (``Data`` holding the batch alone), checked:
-    OutOfRange past the shortest whole input, ValueError for a minibatch input too short."""
-    if sel[0] == "range":
-        _, start, stop = sel
-        if full and stop > min(full):
-            raise OutOfRange(f"batch {start}:{stop} is out of range for inputs of length {min(full)}")
-        total = stop - start
-    else:
-        idx = sel[1]
-        total = len(idx)
-        if full and total and idx.max() >= min(full):
-            raise OutOfRange(f"batch index {idx.max()} is out of range for inputs of length {min(full)}")
-    if minibatch and min(minibatch) < total:
-        raise ValueError(f"minibatch inputs of lengths {minibatch} are shorter than the batch ({total} rows)")
-    return total

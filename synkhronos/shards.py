@@ -139,6 +139,25 @@ def select(arr, sel, index=None):
     return np.take(arr, sel[1] if index is None else index, axis=0)
 
 
+def batch_rows(full, minibatch, sel):
+    """How many rows ``batch`` selector ``sel`` picks from scattered inputs of lengths
+    ``full`` (whole inputs) and ``minibatch`` (``Data`` holding the batch alone), checked:
+    OutOfRange past the shortest whole input, ValueError for a minibatch input too short."""
+    if sel[0] == "range":
+        _, start, stop = sel
+        if full and stop > min(full):
+            raise OutOfRange(f"batch {start}:{stop} is out of range for inputs of length {min(full)}")
+        total = stop - start
+    else:
+        idx = sel[1]
+        total = len(idx)
+        if full and total and idx.max() >= min(full):
+            raise OutOfRange(f"batch index {idx.max()} is out of range for inputs of length {min(full)}")
+    if minibatch and min(minibatch) < total:
+        raise ValueError(f"minibatch inputs of lengths {minibatch} are shorter than the batch ({total} rows)")
+    return total
+
+
 def check_sliceable(lens, sel_s, bounds):
     """Check ``batch_s`` (per rank, or None) against every rank's lengths ``lens`` of the
     sliceable shared variables; ``bounds``: the scattered inputs' rows per rank (or None),
