@@ -202,11 +202,7 @@ class Function:
                                                                      num_slices)
             solo = self._solo(values, then, sel, sel_s, num_slices == 1 and wanted is None)
             if solo:                # one rank, nothing to split: the function itself (one GPU's path)
-                arrays = [v.data if isinstance(v, Data) else v for v in values]
-                if sel is not None:     # (``batch``: its rows, as the rank would take them)
-                    arrays = [shards.select(a, sel) if not getattr(v, "minibatch", False) else a[:solo[0]]
-                              for a, v in zip(arrays[:len(self._inputs)], values)] + arrays[len(self._inputs):]
-                outs = self._replica.solo(session.device, arrays, *solo)
+                outs = self._replica.solo(session.device, *solo)
                 return outs if self._return_list else (outs[0] if outs else [])
             datas = [self._stage(i, v) for i, v in enumerate(values)]
             plan, wire, total, idx_local = self._plan(datas, sel, sel_s, num_slices, wanted)
@@ -222,8 +218,9 @@ class Function:
             return outs
 
     def _solo(self, values, then, sel, sel_s, whole):
-        """How a one-rank session makes this call itself (``Replica.solo``): its rows, the
-        replicas of its follow-ups ``then`` and the ``batch_s`` index (or None); None when
+        """How a one-rank session makes this call itself (``Replica.solo``): its arrays (with
+        ``batch``, the rows the rank would take), its rows, the replicas of its follow-ups
+        ``then`` and the ``batch_s`` index (or None); None when
         it cannot: cold variant, an output subset or slices (``whole``: neither), in-graph
         collective, command in flight, debug fingerprint or timeline, an extension's
         follow-up, sliceable shareds with scattered inputs, no rows.  ``batch`` (``sel``)
@@ -235,17 +232,20 @@ class Function:
                 or (self._sliceable and self._inputs) or (sel_s is not None and not self._sliceable)):
             return None
         follow = solo_follow_ups(session.me, then) if then else ()
+        arrays, ns = [v.data if isinstance(v, Data) else v for v in values], len(self._inputs)
         if self._sliceable:
             rows = shards.check_sliceable(self._sliceable_lengths(), sel_s, None)[0]
             idx = None if sel_s is None else self._replica.selection(sel_s[0], 0, session.device)
         elif sel is not None:
-            mbs = [getattr(v, "minibatch", False) for v in values[:len(self._inputs)]]
-            lens = [[len(v) for v, mb in zip(values, mbs) if mb == want] for want in (False, True)]
-            rows, idx = shards.batch_rows(*lens, sel), None
+            mbs = [isinstance(v, Data) and v.minibatch for v in values[:ns]]
+            rows, idx = shards.batch_rows(*([len(v) for v, mb in zip(values, mbs) if mb == want]
+                                            for want in (False, True)), sel), None
+            taken = Rows("range", sel[1:], sel[1]) if sel[0] == "range" else Rows("index", (0, rows))
+            arrays = [shards.take_rows(a, taken, 0, mb, sel[-1]) for a, mb in zip(arrays, mbs)] + arrays[ns:]
         else:
-            lens = {len(v) for v in values[:len(self._inputs)]}
+            lens = {len(v) for v in values[:ns]}
             rows, idx = (lens.pop() if len(lens) == 1 else 0) if lens else 1, None
-        return (rows, follow, idx) if rows and follow is not None else None
+        return (arrays, rows, follow, idx) if rows and follow is not None else None
 
     def _validate(self, args, kwargs, output_subset, batch, batch_s, num_slices):
         values = []

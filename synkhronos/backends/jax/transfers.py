@@ -131,8 +131,9 @@ _guard = []                  # [(thread state, process state, ALLOW) of JAX's tr
 def host_transfers_guarded():
     """Whether a transfer guard may refuse implicit host -> device transfers in this thread
     now (this thread's level, else the process's, is set and is not "allow"); True where
-    this JAX does not say.  Entering the explicit-transfer scope costs a jitted dispatch
-    ~15-20 µs (JAX CPU, measured): it is entered only when a guard could refuse."""
+    this JAX does not say.  Entering the explicit-transfer scope cost a jitted dispatch
+    15-20 µs on a JAX CPU device (timed by hand, 2-core machine): it is entered only when
+    a guard could refuse."""
     if not _guard:
         try:
             from jax._src.lib import guard_lib
@@ -235,8 +236,8 @@ def to_host(arr):
 
 def read_into(arr, out):
     """``arr``'s value written into the host array ``out`` (its shape and dtype, C order):
-    from a GPU by the copy engine straight into ``out`` (``pinning.copy_to_host``: 64 MB
-    into page-locked shared memory at the link's speed, no host copy), else a copy of
+    from a GPU by the copy engine straight into ``out`` (``pinning.copy_to_host``: DMA
+    into page-locked shared memory, no host copy; not yet timed on a GPU), else a copy of
     ``to_host(arr)`` (on the CPU a view: one copy in all)."""
     if local.gpu and _direct_read(arr, out):
         return
