@@ -418,7 +418,7 @@ def scenario_ps(n, what):
     from synkhronos.extensions import exchange, updates
     info = _session(n)
     n = info.n
-    slow_rank, SLOW = n - 1, 0.15
+    slow_rank, SLOW = n - 1, 0.4
     rng = np.random.default_rng(2)
     NI, H, NO = 32, 2048, 4                          # a 288 KB gradient
     X = rng.standard_normal((512, NI)).astype(np.float32)
@@ -697,10 +697,47 @@ def scenario_uneven(n):
     _result(**res, n=info.n)
 
 
+def scenario_repeat(n, calls):
+    """Many small commands between hosts in a row, a busy loop beside them: each step's
+    update (different on every rank) and a cross-host average of it, checked exactly (the
+    master once took a host that had finished the average for one that never joined it)."""
+    import subprocess
+    import pytensor
+    import pytensor.tensor as T
+    import synkhronos as synk
+    info = _session(n)
+    x = T.matrix("x", dtype="float64")
+    v = pytensor.shared(np.zeros(3), name="v")
+    step = synk.function([x], [], updates=[(v, v + x.sum(axis=0))])
+    synk.distribute()
+    from synkhronos.shards import split
+    X = np.random.default_rng(1).integers(-4, 5, (4 * info.n, 3)).astype(np.float64)
+    b = split(len(X), info.n)
+    mean_sum = np.mean([X[b[r]:b[r + 1]].sum(axis=0) for r in range(info.n)], axis=0)
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    errors, want = [], np.zeros(3)
+    try:
+        for i in range(int(calls)):
+            step(X)
+            want = want + mean_sum
+            try:
+                synk.all_reduce(v, op="avg")
+            except Exception as e:
+                errors.append(f"call {i}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}")
+                break
+    finally:
+        hog.kill()
+        hog.wait()
+    got = [synk.get_value(r, v).tolist() for r in range(info.n)]
+    synk.close()
+    _result(errors=errors, calls=int(calls), exact=all(g == want.tolist() for g in got), got=got[:2],
+            want=want.tolist())
+
+
 if __name__ == "__main__":
     name, args = sys.argv[1], sys.argv[2:]
     {"features": scenario_features, "sizes": scenario_sizes, "train": scenario_train, "fault": scenario_fault,
      "step_fails": scenario_step_fails, "in_graph": scenario_in_graph,
      "ctrl_c_slow": scenario_ctrl_c_slow, "root_lost": scenario_root_lost,
      "ps": scenario_ps, "resume": scenario_resume, "elastic": scenario_elastic,
-     "uneven": scenario_uneven}[name](*args)
+     "uneven": scenario_uneven, "repeat": scenario_repeat}[name](*args)

@@ -71,12 +71,12 @@ def simhosts_or_skip():
     return simhosts
 
 
-def run_hosts(hosts, script, *args, timeout=120, env=None):
-    """``SCRIPT ARGS`` under ``mpiexec`` with one MPI process on each simulated host:
-    (process, info, result) (results through a file: two hosts' output can interleave)."""
+def run_hosts(hosts, script, *args, timeout=120, env=None, per_host=1):
+    """``SCRIPT ARGS`` under ``mpiexec`` with ``per_host`` MPI processes on each simulated
+    host: (process, info, result) (results through a file: two hosts' output can interleave)."""
     out = os.path.join("/tmp", f"synk-mpi-{os.getpid()}-{time.monotonic_ns()}.jsonl")
     try:
-        cmd = hosts.mpiexec_cmd(2, 1, [sys.executable, os.path.join(HERE, script), *args],
+        cmd = hosts.mpiexec_cmd(2 * per_host, per_host, [sys.executable, os.path.join(HERE, script), *args],
                                 extra=("-prepend-rank",), env=dict(env or {}, SYNK_RESULT_FILE=out))
         p = hosts.run(cmd, timeout=timeout)
         hosts.wait_idle(5)

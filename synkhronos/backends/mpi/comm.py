@@ -17,6 +17,8 @@ from ...errors import Aborted
 from ...kernels import half
 
 ABORT_GRACE_S = 0.5      # an aborted operation between hosts may still complete: how long to let it
+FINISHED_GRACE_S = 1.0   # hosts seen finished while the operation is not yet tested complete here: how
+                         # long to keep testing it (their part done, its last step here needs progress)
 
 
 class HierComm:
@@ -107,7 +109,7 @@ class HierComm:
                 try:
                     self.ctl.waiter.wait(ready, self.ctl.sleep, owed=lambda: [],
                                          what="a collective between hosts", keep_hot=OP_HOT,
-                                         hopeless=self._others_finished)
+                                         hopeless=self._others_finished())
                     if not done:
                         raise Aborted("another rank failed during this collective")
                 except BaseException:
@@ -131,17 +133,31 @@ class HierComm:
         return self.requests.answer_obj(token)
 
     def _others_finished(self):
-        """RuntimeError (the master, waiting for an operation between hosts) once every rank
-        of another host has finished the command: that host never joins the operation."""
-        if self.coll.finished is None or self.ctl.aborted():     # (a failure: the abort ends the wait)
-            return
-        hosts = self.coll.finished(self.ctl.seq)
-        if hosts:
+        """A check for the master's wait in an operation between hosts: RuntimeError once
+        every rank of another host has finished the command and the operation still has
+        not completed here ``FINISHED_GRACE_S`` seconds later (the wait tests it meanwhile):
+        that host never joins it.  Seen finished alone is no proof: a host that took part
+        finishes while the operation's last step here still waits for MPI's progress."""
+        seen = []
+
+        def check():
+            if self.coll.finished is None or self.ctl.aborted():   # (a failure: the abort ends the wait)
+                return
+            hosts = self.coll.finished(self.ctl.seq)
+            if not hosts:
+                seen.clear()
+                return
+            now = time.monotonic()
+            if not seen:
+                seen.append(now)
+            if now - seen[0] < FINISHED_GRACE_S:
+                return
             raise RuntimeError(
                 f"the ranks of host(s) {', '.join(hosts)} finished their part of this command while the "
                 "master's host waits for them in a collective between hosts: the ranks ran different "
                 "numbers of collectives (a scan or loop over a rank's own rows?); every rank must run "
                 "the same collectives in the same order")
+        return check
 
     def _host_buffer(self, key, kind, dtype, count):
         """A buffer of the host (owned by its first rank) for ``key``: every rank's view, and
