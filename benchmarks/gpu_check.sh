@@ -100,16 +100,14 @@ if [[ $run_tests -eq 1 ]]; then
         echo "== tests: JAX device and XLA collectives on CPU ranks" | tee -a "$LOG"
         CUDA_VISIBLE_DEVICES= "$PY" -m pytest -q -p no:cacheprovider tests/test_jax_backend.py \
             tests/test_jax_xla_comm.py tests/test_gpu_selection.py 2>&1 | tee -a "$LOG" || rc=1
-    else
-        echo "== tests: GPU selection" | tee -a "$LOG"
-        "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_selection.py 2>&1 | tail -n 3 | tee -a "$LOG" || rc=1
-    fi
-    if [[ $jax_suite -eq 1 ]]; then
         echo "== tests: functional suite with SYNK_MODE=JAX (CPU ranks)" | tee -a "$LOG"
         start=$SECONDS
         CUDA_VISIBLE_DEVICES= SYNK_MODE=JAX "$PY" -m pytest -q -p no:cacheprovider -m "functional and not slow" \
             2>&1 | tail -n 15 | tee -a "$LOG" || rc=1
         echo "   ($((SECONDS - start)) s)" | tee -a "$LOG"
+    else
+        echo "== tests: GPU selection" | tee -a "$LOG"
+        "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_selection.py 2>&1 | tail -n 3 | tee -a "$LOG" || rc=1
     fi
 fi
 
@@ -127,7 +125,7 @@ fi
 demos=()
 if [[ $run_demos -eq 1 ]]; then
     demos+=("mnist_mlp.py --no-progress" "mnist_cnn.py --no-progress" "resnet.py --no-progress" "partial_fc.py"
-            "exchange_strategies.py")
+            "exchange_strategies.py --plot benchmarks/results/gpu_check_${plat}_exchange.png")
 fi
 if [[ $gpu_demos -eq 1 ]]; then
     demos+=("mnist_mlp.py --no-progress --gpu-size" "mnist_cnn.py --no-progress --gpu-size"
