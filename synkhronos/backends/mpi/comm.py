@@ -17,8 +17,9 @@ from ...errors import Aborted
 from ...kernels import half
 
 ABORT_GRACE_S = 0.5      # an aborted operation between hosts may still complete: how long to let it
-FINISHED_GRACE_S = 1.0   # hosts seen finished while the operation is not yet tested complete here: how
-                         # long to keep testing it (their part done, its last step here needs progress)
+# hosts seen finished while the operation is not yet tested complete here never joined it only
+# once it stays so this long and through this many more tests (a pause of this process tests nothing)
+FINISHED_GRACE_S, FINISHED_LOOKS = 1.0, 5
 
 
 class HierComm:
@@ -135,7 +136,7 @@ class HierComm:
     def _others_finished(self):
         """A check for the master's wait in an operation between hosts: RuntimeError once
         every rank of another host has finished the command and the operation still has
-        not completed here ``FINISHED_GRACE_S`` seconds later (the wait tests it meanwhile):
+        not completed here ``FINISHED_GRACE_S`` seconds and ``FINISHED_LOOKS`` tests later:
         that host never joins it.  Seen finished alone is no proof: a host that took part
         finishes while the operation's last step here still waits for MPI's progress."""
         seen = []
@@ -149,8 +150,9 @@ class HierComm:
                 return
             now = time.monotonic()
             if not seen:
-                seen.append(now)
-            if now - seen[0] < FINISHED_GRACE_S:
+                seen[:] = [now, 0]
+            seen[1] += 1                 # (each look follows a test of the operation)
+            if now - seen[0] < FINISHED_GRACE_S or seen[1] < FINISHED_LOOKS:
                 return
             raise RuntimeError(
                 f"the ranks of host(s) {', '.join(hosts)} finished their part of this command while the "
