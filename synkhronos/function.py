@@ -219,12 +219,11 @@ class Function:
 
     def _solo(self, values, then, sel, sel_s, whole):
         """How a one-rank session makes this call itself (``Replica.solo``): its arrays (with
-        ``batch``, the rows the rank would take), its rows, the replicas of its follow-ups
-        ``then`` and the ``batch_s`` index (or None); None when
-        it cannot: cold variant, an output subset or slices (``whole``: neither), in-graph
-        collective, command in flight, debug fingerprint or timeline, an extension's
-        follow-up, sliceable shareds with scattered inputs, no rows.  ``batch`` (``sel``)
-        is checked here as a call plan checks it."""
+        ``batch``, the rows the rank would take), rows, follow-up replicas (``then``) and
+        ``batch_s`` index (or None); None when it cannot: cold variant, an output subset or
+        slices (``whole``: neither), in-graph collective, command in flight, debug or timeline,
+        an extension's follow-up, sliceable shareds with scattered inputs, no rows.  ``batch``
+        (``sel``) is checked here as a call plan checks it."""
         session = self._session
         variant = "s" if self._sliceable and sel_s is not None else "f"
         if (not whole or session.n != 1 or self._collective or variant not in self._warm or session.debug
@@ -238,10 +237,11 @@ class Function:
             idx = None if sel_s is None else self._replica.selection(sel_s[0], 0, session.device)
         elif sel is not None:
             mbs = [isinstance(v, Data) and v.minibatch for v in values[:ns]]
-            rows, idx = shards.batch_rows(*([len(v) for v, mb in zip(values, mbs) if mb == want]
-                                            for want in (False, True)), sel), None
-            taken = Rows("range", sel[1:], sel[1]) if sel[0] == "range" else Rows("index", (0, rows))
-            arrays = [shards.take_rows(a, taken, 0, mb, sel[-1]) for a, mb in zip(arrays, mbs)] + arrays[ns:]
+            rows, idx = shards.batch_rows([len(v) for v, mb in zip(values, mbs) if not mb],
+                                          [len(v) for v, mb in zip(values, mbs) if mb], sel), None
+            index = sel[1] if sel[0] == "index" else None
+            taken = Rows("range", sel[1:], sel[1]) if index is None else Rows("index", (0, rows))
+            arrays = [shards.take_rows(a, taken, 0, mb, index) for a, mb in zip(arrays, mbs)] + arrays[ns:]
         else:
             lens = {len(v) for v in values[:ns]}
             rows, idx = (lens.pop() if len(lens) == 1 else 0) if lens else 1, None

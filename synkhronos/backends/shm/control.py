@@ -318,7 +318,8 @@ class ShmControl:
         # and still not arrived when looked at again: a rank arrives before it finishes, so
         # one that arrived between the two reads above (passed the meeting, finished) is not
         # late; one seen done and then still not arrived never arrives
-        done = [r for r in late() if r in done] if done else done
+        if done:
+            done = [r for r in late() if r in done]
         if done:
             raise RuntimeError(
                 f"rank(s) {done} finished their part of this command while rank {self.rank} waits for them "
