@@ -4,7 +4,7 @@ Implementations (wired by ``synkhronos.backends``): ``subprocess``
 (``backends.host.launcher``: worker processes of this host, children of the master) and
 ``mpi`` (``backends.mpi.launcher``: this host's workers, and the other hosts' ranks as
 their agents report them)."""
-from typing import Callable, Iterable, Optional, Protocol, runtime_checkable
+from typing import Callable, Collection, Iterable, Optional, Protocol, runtime_checkable
 
 
 class RankGone(Exception):
@@ -28,8 +28,9 @@ class Launcher(Protocol):
         """Start one process per rank: ``argv(rank)`` its command line, ``env_for(rank)``
         its environment."""
 
-    def check(self) -> None:
-        """Raise ``RankGone`` for the first rank found exited or stopped."""
+    def check(self, leaving: Collection[int] = ()) -> None:
+        """Raise ``RankGone`` for the first rank found exited or stopped.  A rank in
+        ``leaving`` (told to quit) that exited with status 0 did as told: not reported."""
 
     def info(self) -> list:
         """``[(rank, host, pid)]`` of the ranks this launcher started (and knows of)."""

@@ -191,7 +191,8 @@ class Session:
         last_words = []
         if me is not None and graceful and me.control.workers and self.launcher.info():
             try:
-                quick = Waiter(self._check, None, 5.0)
+                leaving = frozenset(me.control.workers)     # each exits once it answered: no loss
+                quick = Waiter(lambda: self.launcher.check(leaving), None, 5.0)
                 me.control.waiter = quick
                 self._finish_inflight("close")
                 self._send("quit", ())
@@ -400,8 +401,10 @@ class Session:
             print(f"synkhronos: could not write the timeline to {self.timeline_path}: {e}", file=sys.stderr)
             return
         if path is not None:
+            missing = timeline.missing(self.n, self.rank, workers)
+            lacks = f"; rank(s) {missing} sent no events (they did not answer the close)" if missing else ""
             print(f"synkhronos: timeline of {self.n} rank(s) written to {path} (open it in "
-                  "https://ui.perfetto.dev or chrome://tracing)", file=sys.stderr, flush=True)
+                  f"https://ui.perfetto.dev or chrome://tracing){lacks}", file=sys.stderr, flush=True)
 
     def log_command(self, seq, what):
         """Remember what command ``seq`` was (the flight report names it); the last 64."""

@@ -160,6 +160,12 @@ def take():
     return None if tl is None else tl.handed()
 
 
+def missing(n, master_rank, workers):
+    """The ranks of ``n`` (other than the master's) whose events are not in ``workers``."""
+    got = {w["rank"] for w in workers if isinstance(w, dict) and "events" in w}
+    return sorted(set(range(n)) - got - {master_rank})
+
+
 def write_trace(path, workers):
     """Merge the master's events with the workers' (``take()`` of each, None where a rank
     sent none) into a Chrome trace at ``path``.  Returns the path, or None when the

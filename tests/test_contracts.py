@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+import synk_testutil as tu
 from synkhronos import backends as registry      # (the composition root re-exports the registry)
 from synkhronos.launcher import RankGone
 
@@ -126,6 +127,26 @@ def test_every_implementation_is_checked():
 
 
 # ---- the subprocess launcher's reports -------------------------------------------------------------
+
+
+def test_subprocess_launcher_excuses_only_a_clean_exit_of_a_leaving_rank():
+    """``check(leaving)``: a rank told to quit that exited with status 0 is not a loss; one
+    that exited otherwise is, and so is a clean exit of a rank not told to quit."""
+    launcher = registry.implementation("launcher", "subprocess")()
+    code = {1: "0", 2: "3"}
+    launcher.start([1, 2], lambda r: [sys.executable, "-c", f"raise SystemExit({code[r]})"],
+                   lambda r: dict(os.environ))
+    try:
+        pids = {r: p for r, _, p in launcher.info()}
+        tu.wait_until(lambda: all(not tu.pid_running(p) for p in pids.values()), 10.0)
+        with pytest.raises(RankGone) as gone:
+            launcher.check(leaving={1})
+        assert gone.value.rank == 2 and gone.value.returncode == 3
+        with pytest.raises(RankGone) as gone:
+            launcher.check(leaving={2})
+        assert gone.value.rank == 1 and gone.value.returncode == 0
+    finally:
+        launcher.stop(graceful=False)
 
 
 def test_subprocess_launcher_reports_dead_and_stopped():

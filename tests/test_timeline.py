@@ -4,7 +4,9 @@ logged it, collectives with their bytes, waits with the ranks waited on, the fir
 compile; the file private.  Off by default: nothing written."""
 import json
 import os
+import signal
 import stat
+import threading
 
 import numpy as np
 import pytest
@@ -45,6 +47,30 @@ def test_trace_of_every_rank(tmp_path, assert_clean):
         assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in mine)
     assert any(e["cat"] == "compile" and e["pid"] == 0 for e in spans)
     assert any(e["cat"] == "wait" for e in spans)
+    assert_clean()
+
+
+def test_a_slow_last_answer_keeps_every_rank(tmp_path, assert_clean):
+    """At close, a worker exits as soon as it has answered; a rank that answers later (here
+    stopped for half a second, as on a busy machine) must not turn that exit into a lost
+    rank: every rank's events reach the trace (a busy CI machine once wrote the master's
+    only)."""
+    path = tmp_path / "run.json"
+    n = tu.fork(3, timeline=str(path))
+    try:
+        x = T.matrix("x")
+        f = synk.function([x], (x.sum(), "sum"), name="f")
+        synk.distribute()
+        f(np.ones((6, 2)))
+        slow = tu.pid_of(n - 1)
+        os.kill(slow, signal.SIGSTOP)
+        threading.Timer(0.5, os.kill, (slow, signal.SIGCONT)).start()
+    finally:
+        synk.close()
+    events = json.loads(path.read_text())["traceEvents"]
+    names = {e["pid"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert sorted(names) == list(range(n))
+    assert all(sum(e["name"] == "call of function f" and e["pid"] == r for e in events) == 1 for r in range(n))
     assert_clean()
 
 

@@ -70,16 +70,18 @@ class SubprocessLauncher:
                     self.procs[r] = proc or subprocess.Popen(argv(r), env=env, stdin=subprocess.DEVNULL,
                                                              close_fds=True, process_group=0)
 
-    def check(self):
+    def check(self, leaving=()):
         for r, p in self.procs.items():
             rc = p.poll()
-            if rc is not None:           # (a status nobody could read: "is gone")
+            if rc is not None and not (rc == 0 and r in leaving):   # (a status nobody could read: "is gone")
                 raise RankGone(r, returncode=rc if getattr(p, "status_known", True) else None)
         now = time.monotonic()
         if now < self._next_state:
             return
         self._next_state = now + _STATE_EVERY
         for r, p in self.procs.items():
+            if p.returncode is not None:        # (left as told: its pid may be another's now)
+                continue
             state = process_state(p.pid)
             if state in ("T", "t"):
                 since = self._stopped_since.setdefault(r, now)

@@ -59,7 +59,7 @@ class Hub:
         self.arrivals = {}          # token -> set of agents
         self.votes = {}             # token -> {agent: ok}
         self.replies = {}           # seq -> {global rank: reply}
-        self.lost = None
+        self.lost = []              # the agents' reports of ranks gone: (rank, host, returncode, stopped)
         self.ranks_info = []        # (rank, host, pid) of the other hosts' ranks
         self.flights = {}           # agent -> the flight records it sent last
 
@@ -98,8 +98,7 @@ class Hub:
                 seq, reps = obj
                 self.replies.setdefault(seq, {}).update((r, Reply.from_wire(t)) for r, t in reps.items())
             elif tag == LOST:
-                if self.lost is None:
-                    self.lost = obj
+                self.lost.append(obj)
             elif tag == FLIGHT:         # an agent's flight records (asked for)
                 self.flights[src] = [RankFlight(*f) for f in obj]
             elif tag == READY:          # an agent started its ranks
@@ -144,7 +143,9 @@ class Hub:
                 time.sleep(0.002)
         return [f for a in sorted(self.flights) for f in self.flights[a]]
 
-    def check(self):
-        if self.lost is not None:
-            rank, host, rc, stopped = self.lost
-            raise RankGone(rank, returncode=rc, stopped=stopped, host=host)
+    def check(self, leaving=()):
+        """Raise ``RankGone`` for the first rank another host reported gone (a rank of
+        ``leaving`` that exited with status 0 did as told)."""
+        for rank, host, rc, stopped in self.lost:
+            if not (rc == 0 and stopped is None and rank in leaving):
+                raise RankGone(rank, returncode=rc, stopped=stopped, host=host)

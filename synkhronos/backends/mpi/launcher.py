@@ -16,11 +16,11 @@ class MpiLauncher:
     def start(self, ranks, argv, env_for):
         self.local.start(ranks, argv, env_for)
 
-    def check(self):
+    def check(self, leaving=()):
         self.hub.service()
-        self.hub.check()
+        self.hub.check(leaving)
         try:
-            self.local.check()
+            self.local.check(leaving)
         except RankGone as gone:          # across hosts every report names the host
             if gone.host is None:
                 gone.host = self.host
