@@ -192,6 +192,76 @@ def test_matmul_precision_reaches_every_rank():
         synk.fork(2, use_gpu=False, matmul_precision="highest")
 
 
+def _cache_entries(folder):
+    """{program: (written ns, last read or write ns)} of a JAX compilation cache folder."""
+    out = {}
+    for name in os.listdir(folder):
+        if name.endswith("-cache"):
+            key = name[:-len("-cache")]
+            with open(os.path.join(folder, key + "-atime"), "rb") as fh:
+                used = int.from_bytes(fh.read(), "little")
+            out[key] = (os.stat(os.path.join(folder, name)).st_mtime_ns, used)
+    return out
+
+
+def _compile_and_call(n):
+    x = T.matrix("x", dtype="float64")
+    f = synk.function([x], (T.tanh(x * 3.25).sum(), "sum"), name="cached")
+    synk.distribute()
+    assert np.isclose(f(np.ones((6, 2))), 12 * np.tanh(3.25))
+
+
+def test_the_ranks_load_what_the_master_compiled(monkeypatch, tmp_path):
+    """A first call compiles in the master, which writes the program to JAX's persistent
+    cache (``SYNK_JAX_CACHE``, private to the user); the workers then read it there instead
+    of compiling it again (an entry read after it was written).  The master's JAX settings
+    are its own again after close()."""
+    folder = tmp_path / "jaxcache"
+    monkeypatch.setenv("SYNK_JAX_CACHE", str(folder))
+    before = jax.config.jax_compilation_cache_dir
+    synk.fork(3, mode="JAX", use_gpu=False)
+    try:
+        _compile_and_call(3)
+    finally:
+        synk.close()
+    assert jax.config.jax_compilation_cache_dir == before
+    assert os.stat(folder).st_mode & 0o777 == 0o700
+    entries = _cache_entries(folder)
+    assert any(k.startswith("jit_") for k in entries), entries
+    read_later = [k for k, (written, used) in entries.items() if used - written > 1_000_000]
+    assert read_later, entries           # (without the cache each rank compiles: nothing read)
+
+
+def test_the_users_own_compilation_cache_is_kept(monkeypatch, tmp_path):
+    """A cache the user set up (``jax_compilation_cache_dir``, with their thresholds) is the
+    one every rank uses; ``SYNK_JAX_CACHE=off`` turns synkhronos' own off."""
+    theirs = tmp_path / "theirs"
+    settings = {"jax_compilation_cache_dir": str(theirs), "jax_persistent_cache_min_compile_time_secs": 0.0,
+                "jax_compilation_cache_max_size": 1 << 28}      # (bounded: JAX records each read)
+    saved = {k: getattr(jax.config, k) for k in settings}
+    for k, v in settings.items():
+        jax.config.update(k, v)
+    try:
+        synk.fork(2, mode="JAX", use_gpu=False)
+        try:
+            _compile_and_call(2)
+        finally:
+            synk.close()
+        assert jax.config.jax_compilation_cache_dir == str(theirs)
+    finally:
+        for k, v in saved.items():
+            jax.config.update(k, v)
+    entries = _cache_entries(theirs)
+    assert [k for k, (written, used) in entries.items() if used - written > 1_000_000], entries
+    monkeypatch.setenv("SYNK_JAX_CACHE", "off")
+    synk.fork(2, mode="JAX", use_gpu=False)
+    try:
+        _compile_and_call(2)
+        assert not jax.config.jax_compilation_cache_dir
+    finally:
+        synk.close()
+
+
 def test_killed_worker_raises_worker_died_without_hanging():
     synk.fork(2, mode="JAX", use_gpu=False)
     x = T.vector("x", dtype="float64")

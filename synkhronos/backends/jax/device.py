@@ -40,7 +40,7 @@ import re
 
 import numpy as np
 
-from . import distributed, generators, runtime
+from . import compile_cache, distributed, generators, runtime
 from .transfers import call_arrays, is_device_array, read_into, start_reads, to_device, to_host
 from ..host.device import THREAD_VARS, ThreadLimits, restore_env, usable_cores
 from ...compiling import compiling
@@ -131,7 +131,8 @@ class JaxDevice:
         return usable_cores()
 
     def __init__(self, n, platform="cpu", gpus=None, visible=None, threads=None, mem=None, xla=None,
-                 floatX=None, why_staged=None, local_n=None, matmul_precision=None, reduce_on_device=None):
+                 floatX=None, why_staged=None, local_n=None, matmul_precision=None, reduce_on_device=None,
+                 compile_cache=None):
         self.n = n
         self.local_n = local_n or n          # the ranks that share this host's cores
         if platform not in ("cpu", "gpu"):
@@ -147,6 +148,8 @@ class JaxDevice:
         self.why_staged = why_staged       # why collectives of device arrays go through the host
         self.reduce_on_device = reduce_on_device    # host-staged all_reduce adds on the device: "all", "large", None
         self.matmul_precision = matmul_precision    # None: the master's JAX setting (in plan_comm)
+        self.compile_cache = compile_cache          # JAX's persistent cache of every rank (plan_comm)
+        self._saved_cache = None
         self.master_rank = None
         self.alive = None
         self._limits = None
@@ -157,7 +160,8 @@ class JaxDevice:
         return {"kind": self.kind, "platform": self.platform, "gpus": self.gpus, "visible": self.visible,
                 "threads": self.threads, "mem": self.mem, "xla": self.xla, "floatX": self.floatX,
                 "why_staged": self.why_staged, "local_n": self.local_n,
-                "matmul_precision": self.matmul_precision, "reduce_on_device": self.reduce_on_device}
+                "matmul_precision": self.matmul_precision, "reduce_on_device": self.reduce_on_device,
+                "compile_cache": self.compile_cache}
 
     # ---- the session's collectives (decided in the master, before workers start) -------------
     def plan_comm(self, master_rank, alive=None, timeout=None, several_hosts=False):
@@ -176,6 +180,7 @@ class JaxDevice:
             pass
         if self.matmul_precision is None:      # JAX's own setting in the master, for every rank
             self.matmul_precision = runtime.current_precision()
+        self.compile_cache = compile_cache.plan()
         want = os.environ.get("SYNK_JAX_COMM", "").strip().lower() or None
         if want not in (None, "xla", "staged"):
             raise ValueError(f"SYNK_JAX_COMM={want!r} must be 'xla' or 'staged'")
@@ -247,6 +252,7 @@ class JaxDevice:
                 runtime.warn_started_master(self.gpus[rank])
         self._saved_precision = runtime.current_precision()
         runtime.configure(self.platform, gpu, gloo=self.xla is not None, precision=self.matmul_precision)
+        self._saved_cache = compile_cache.use(self.compile_cache)
         runtime.close_before_jax_exits(close_session)
         if self.xla is not None:
             runtime.local.alive = self.alive
@@ -254,6 +260,8 @@ class JaxDevice:
 
     def release_master(self):
         runtime.set_precision(getattr(self, "_saved_precision", None))
+        compile_cache.restore(self._saved_cache)
+        self._saved_cache = None
         distributed.stop_distributed()
         runtime.local.alive = None
         if self._limits is not None:
@@ -267,6 +275,7 @@ class JaxDevice:
             if pytensor.config.floatX != self.floatX:      # JAX's x64 mode follows floatX
                 pytensor.config.floatX = self.floatX
         runtime.configure(self.platform, None, gloo=self.xla is not None, precision=self.matmul_precision)
+        compile_cache.use(self.compile_cache)
         if self.xla is not None:
             master_pid = self.xla["master_pid"]
 
