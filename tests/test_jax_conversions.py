@@ -92,7 +92,8 @@ def test_float32_session_prints_no_jax_warning():
             "assert np.allclose(f.as_theano(X, Y)[0], m)\n"
             "synk.close()\n"
             "print('ok')\n")
-    env = dict(os.environ, PYTENSOR_FLAGS="floatX=float32")
+    flags = [f for f in os.environ.get("PYTENSOR_FLAGS", "").split(",") if f] + ["floatX=float32"]
+    env = dict(os.environ, PYTENSOR_FLAGS=",".join(flags))
     env.pop("SYNK_MODE", None)
     proc = subprocess.run([sys.executable, "-W", "error", "-c", prog], capture_output=True, text=True,
                           timeout=240, env=env)
