@@ -820,7 +820,9 @@ def scenario_close_storm(sessions):
 def scenario_fork_storm(sessions):
     """``sessions`` times ``synk.fork(3)`` with 1-3 SIGINTs at a random instant of it (the
     workers forked by the fork server, its first start included): each fork ends started or
-    interrupted, leaving nothing of it in /dev/shm;
+    interrupted, leaving nothing of it in /dev/shm.  The instants fall within twice the
+    length of the last fork that ended (a fast machine forks in 30 ms); the second fork is
+    interrupted at its start and the last one is left alone, so that both outcomes occur;
     after each, ``close()`` leaves no worker of it running.  Reports the fork server(s) this
     process has, for the test to see them end with it."""
     import random
@@ -846,11 +848,13 @@ def scenario_fork_storm(sessions):
             armed.clear()
             raise KeyboardInterrupt
     signal.signal(signal.SIGINT, gate)
+    took = 1.5                  # the last fork's length (the first starts the fork server: ~1.5 s)
     for k in range(int(sessions)):
         stop = []
+        wait = 0.0 if k == 1 else 5 * took if k == int(sessions) - 1 else pick.uniform(0.0, 2 * took)
 
         def storm():
-            time.sleep(pick.uniform(0.0, 2.0))          # (a fork takes ~0.1 s, its first ~1.5 s)
+            time.sleep(wait)
             for _ in range(pick.randint(1, 3)):
                 if stop:
                     return
@@ -861,7 +865,9 @@ def scenario_fork_storm(sessions):
         try:
             try:
                 armed.append(1)
+                t0 = time.monotonic()
                 synk.fork(3)
+                took = time.monotonic() - t0
             finally:
                 armed.clear()
             res["started"] += 1
