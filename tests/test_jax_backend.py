@@ -215,9 +215,11 @@ def test_the_ranks_load_what_the_master_compiled(monkeypatch, tmp_path):
     """A first call compiles in the master, which writes the program to JAX's persistent
     cache (``SYNK_JAX_CACHE``, private to the user); the workers then read it there instead
     of compiling it again (an entry read after it was written).  The master's JAX settings
-    are its own again after close()."""
+    are its own again after close(); a bad ``SYNK_JAX_CACHE_MIN_S`` is refused before any
+    process starts."""
     folder = tmp_path / "jaxcache"
     monkeypatch.setenv("SYNK_JAX_CACHE", str(folder))
+    monkeypatch.setenv("SYNK_JAX_CACHE_MIN_S", "0")      # (this small graph compiles in less than 0.1 s)
     before = jax.config.jax_compilation_cache_dir
     synk.fork(3, mode="JAX", use_gpu=False)
     try:
@@ -230,6 +232,10 @@ def test_the_ranks_load_what_the_master_compiled(monkeypatch, tmp_path):
     assert any(k.startswith("jit_") for k in entries), entries
     read_later = [k for k, (written, used) in entries.items() if used - written > 1_000_000]
     assert read_later, entries           # (without the cache each rank compiles: nothing read)
+    monkeypatch.setenv("SYNK_JAX_CACHE_MIN_S", "soon")
+    with pytest.raises(ValueError, match="SYNK_JAX_CACHE_MIN_S must be a number of seconds"):
+        synk.fork(2, mode="JAX", use_gpu=False)
+    assert not tu.is_open() and tu.worker_children() == []
 
 
 def test_the_users_own_compilation_cache_is_kept(monkeypatch, tmp_path):

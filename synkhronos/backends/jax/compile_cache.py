@@ -12,15 +12,18 @@ Where (decided in the master, the same for every rank):
   with the user's settings, when one is set;
 * else ``SYNK_JAX_CACHE`` (a directory; ``off`` turns the cache off), by default
   ``jax_cache`` in PyTensor's compiledir (the user's own, where the numba cache is too),
-  created private (0700).  There every program is kept however fast it compiled (a rank
-  that loads it still skips the compile), and the least recently used go beyond
+  created private (0700).  There every program that took ``MIN_COMPILE_S`` (or
+  ``SYNK_JAX_CACHE_MIN_S``) seconds or more to compile is kept (JAX's default keeps those
+  over 1 s only; faster ones are not worth a file: JAX scans the folder at every write),
+  and the least recently used go beyond
   ``CACHE_BYTES``.  Bounding the size makes JAX lock the cache (``filelock``) around every
   read and write, so that a rank never reads a program another process is still writing;
   without ``filelock`` (or with a JAX that cannot bound its cache) the cache stays off."""
 import os
 import sys
 
-CACHE_BYTES = 2 << 30
+CACHE_BYTES = 1 << 30
+MIN_COMPILE_S = 0.1
 _OFF = ("0", "off", "none", "false", "no")
 _SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
              "jax_persistent_cache_min_entry_size_bytes", "jax_compilation_cache_max_size")
@@ -49,9 +52,21 @@ def plan():
         import pytensor
         path = os.path.join(str(pytensor.config.compiledir), "jax_cache")
     return {"dir": path, "own": True,
-            "settings": {"jax_compilation_cache_dir": path, "jax_persistent_cache_min_compile_time_secs": 0.0,
+            "settings": {"jax_compilation_cache_dir": path,
+                         "jax_persistent_cache_min_compile_time_secs": _min_compile_s(),
                          "jax_persistent_cache_min_entry_size_bytes": -1,
                          "jax_compilation_cache_max_size": CACHE_BYTES}}
+
+
+def _min_compile_s():
+    raw = os.environ.get("SYNK_JAX_CACHE_MIN_S", "").strip()
+    try:
+        value = float(raw) if raw else MIN_COMPILE_S
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"SYNK_JAX_CACHE_MIN_S must be a number of seconds >= 0, got {raw!r}")
+    return value
 
 
 def _users_dir():
