@@ -215,8 +215,9 @@ def test_the_ranks_load_what_the_master_compiled(monkeypatch, tmp_path):
     """A first call compiles in the master, which writes the program to JAX's persistent
     cache (``SYNK_JAX_CACHE``, private to the user); the workers then read it there instead
     of compiling it again (an entry read after it was written).  The master's JAX settings
-    are its own again after close(); a bad ``SYNK_JAX_CACHE_MIN_S`` is refused before any
-    process starts."""
+    are its own again after close(), and the next session loads the program too.  A folder
+    that cannot be made and a bad ``SYNK_JAX_CACHE_MIN_S`` are refused before any process
+    starts."""
     folder = tmp_path / "jaxcache"
     monkeypatch.setenv("SYNK_JAX_CACHE", str(folder))
     monkeypatch.setenv("SYNK_JAX_CACHE_MIN_S", "0")      # (this small graph compiles in less than 0.1 s)
@@ -232,6 +233,19 @@ def test_the_ranks_load_what_the_master_compiled(monkeypatch, tmp_path):
     assert any(k.startswith("jit_") for k in entries), entries
     read_later = [k for k, (written, used) in entries.items() if used - written > 1_000_000]
     assert read_later, entries           # (without the cache each rank compiles: nothing read)
+    synk.fork(2, mode="JAX", use_gpu=False)       # the next session loads it too
+    try:
+        _compile_and_call(2)
+    finally:
+        synk.close()
+    again = _cache_entries(folder)
+    assert any(again[k][1] > entries[k][1] for k in read_later), (entries, again)
+    monkeypatch.setenv("SYNK_JAX_CACHE", str(tmp_path / "a-file"))
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match="SYNK_JAX_CACHE: cannot use"):
+        synk.fork(2, mode="JAX", use_gpu=False)
+    assert not tu.is_open() and tu.worker_children() == []
+    monkeypatch.setenv("SYNK_JAX_CACHE", str(folder))
     monkeypatch.setenv("SYNK_JAX_CACHE_MIN_S", "soon")
     with pytest.raises(ValueError, match="SYNK_JAX_CACHE_MIN_S must be a number of seconds"):
         synk.fork(2, mode="JAX", use_gpu=False)

@@ -15,10 +15,14 @@ Where (decided in the master, the same for every rank):
   created private (0700).  There every program that took ``MIN_COMPILE_S`` (or
   ``SYNK_JAX_CACHE_MIN_S``) seconds or more to compile is kept (JAX's default keeps those
   over 1 s only; faster ones are not worth a file: JAX scans the folder at every write),
-  and the least recently used go beyond
-  ``CACHE_BYTES``.  Bounding the size makes JAX lock the cache (``filelock``) around every
-  read and write, so that a rank never reads a program another process is still writing;
-  without ``filelock`` (or with a JAX that cannot bound its cache) the cache stays off."""
+  and the least recently used go beyond ``CACHE_BYTES``.  Bounding the size makes JAX lock
+  the cache (``filelock``) around every read and write, so that a rank never reads a
+  program another process is still writing; without ``filelock`` (or with a JAX that
+  cannot bound its cache) the cache stays off.
+
+The master creates the folder when it plans the session (a path it cannot use is refused
+before any process starts); a rank of another host that cannot create it compiles for
+itself."""
 import os
 import sys
 
@@ -51,6 +55,11 @@ def plan():
     else:
         import pytensor
         path = os.path.join(str(pytensor.config.compiledir), "jax_cache")
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"SYNK_JAX_CACHE: cannot use {path!r} for JAX's compiled programs ({e.strerror}); "
+                         "name a folder of yours, or 'off'") from None
     return {"dir": path, "own": True,
             "settings": {"jax_compilation_cache_dir": path,
                          "jax_persistent_cache_min_compile_time_secs": _min_compile_s(),
@@ -83,7 +92,10 @@ def use(cache):
     import jax
     from jax.experimental.compilation_cache import compilation_cache
     if cache["own"]:
-        os.makedirs(cache["dir"], mode=0o700, exist_ok=True)
+        try:               # (the master made it; another host may lack it)
+            os.makedirs(cache["dir"], mode=0o700, exist_ok=True)
+        except OSError:
+            return None
     saved = {k: getattr(jax.config, k) for k in _SETTINGS}
     for k, v in cache["settings"].items():
         jax.config.update(k, v)
@@ -102,4 +114,3 @@ def restore(saved):
     for k, v in saved.items():
         jax.config.update(k, v)
     compilation_cache.reset_cache()
-
