@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh demos) and run the MNIST-style MLP demo.
+# Set up (scripts/setup.sh demos) and run the main job: the CNN demo on real handwritten digits.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -7,4 +7,4 @@ cd "$ROOT"
 export PYTHONUNBUFFERED=1
 
 bash scripts/setup.sh demos
-exec .venv/bin/python demos/mnist_mlp.py "$@"
+exec .venv/bin/python demos/mnist_cnn.py "$@"
