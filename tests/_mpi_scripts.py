@@ -305,6 +305,25 @@ def scenario_fault(n, what):
     _result(**res)
 
 
+def scenario_close_lost(n):
+    """``synk.close()`` while the last rank (on the other host) is frozen, and killed 0.5 s
+    later: the other rank of its host has answered "quit" and exited by then.  How long the
+    close took (its limit for the ranks' answers is 5 s) and whether it raised."""
+    import synkhronos as synk
+    info = _session(n)
+    victim = info.ranks[-1]
+    os.kill(victim.pid, signal.SIGSTOP)
+    threading.Timer(0.5, lambda: os.kill(victim.pid, signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    raised = None
+    try:
+        synk.close()
+    except Exception as e:
+        raised = repr(e)
+    _result(seconds=time.monotonic() - t0, raised=raised, open_after=synk.session_info() is not None,
+            victim=victim.rank, victim_host=victim.host)
+
+
 def _faulty_step(n, action, interrupt=None):
     """One step of a linear model (``w``) whose last rank's gradient, on a marked row,
     does ``action`` (``fs.Fault``: "raise" or "sleep") before the step's all-reduce between
@@ -738,4 +757,4 @@ if __name__ == "__main__":
      "step_fails": scenario_step_fails, "in_graph": scenario_in_graph,
      "ctrl_c_slow": scenario_ctrl_c_slow, "root_lost": scenario_root_lost,
      "ps": scenario_ps, "resume": scenario_resume, "elastic": scenario_elastic,
-     "uneven": scenario_uneven, "repeat": scenario_repeat}[name](*args)
+     "uneven": scenario_uneven, "repeat": scenario_repeat, "close_lost": scenario_close_lost}[name](*args)

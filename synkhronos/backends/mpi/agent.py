@@ -111,6 +111,7 @@ class Agent:
         self.hot_until = 0.0
         self.coll = coll               # the session's communicator for collectives
         self.lost_sent = False
+        self.leaving = ()              # the ranks told to quit: their exit with status 0 is no loss
 
     def grank(self, slot):
         return self.first + slot - 1
@@ -231,7 +232,7 @@ class Agent:
             busy = True
         if not self.lost_sent:
             try:
-                self.launcher.check()
+                self.launcher.check(self.leaving)
             except RankGone as g:
                 self.lost_sent = True
                 w.isend((g.rank, w.host, g.returncode, g.stopped), 0, LOST)
@@ -276,6 +277,8 @@ class Agent:
             if kind == "index":
                 positions = self.mirror(idx_ref, resized)[where[0]:where[1]]
                 arr[positions] = part
+        if name == "quit":                            # the session closes: each rank exits once it has answered
+            self.leaving = tuple(self.grank(m) for m in self.members)
         if name == "distribute":                      # the ranks attach to the slot table
             self.table = Slots(self.prefix, 0, self.k + 1, max(64, pickle.loads(blob)[1]), True)
         # the ranks forget the copies that were resized too (a new segment under the same
