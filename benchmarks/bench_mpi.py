@@ -15,7 +15,9 @@ this script.
 2. Per-call time of a tiny function (``synk.function([x], (T.sum(x), "sum"))`` on an
    8-element float32 ``synk.data``): 2 hosts (mpiexec) against the same program on one host
    without MPI (2 ranks, plain ``python``) and against a plain PyTensor call; the goal: the
-   call over two hosts within 3x of the call on one host.
+   call over two hosts within 3x of the call on one host.  Also on one host with as many
+   ranks as the two-host job has processes (3 with one rank per host: the second host runs
+   an MPI process beside its rank), which shows what taking turns for the cores costs.
 3. Time to first step of ``demos/mnist_mlp.py`` (small configuration) on 2 hosts (mpiexec,
    4 ranks) against one host (plain python, 2 ranks): wall time from process start to each
    milestone of its output, and the demo's own figures.  The demo runs its serial baseline
@@ -313,7 +315,7 @@ class Bench:
 
     # ---- 2. per-call time ----------------------------------------------------------------
     def overhead(self, rounds, blocks, block_s, placements):
-        wheres = [f"two_hosts_{pl}" for pl in placements] + ["one_host"]
+        wheres = [f"two_hosts_{pl}" for pl in placements] + ["one_host", "one_host_procs"]
         out = {w: [] for w in wheres}
         for rnd in range(rounds):
             for where in wheres:
@@ -322,8 +324,8 @@ class Bench:
                     if where.endswith("pinned"):
                         spec["go"] = self.go_path()
                     cmd = self.mpiexec(2, 1, [PROG, "overhead", json.dumps(spec)])
-                else:
-                    spec = {"n": 2, "blocks": blocks, "block_s": block_s}
+                else:       # (one_host_procs: as many processes as the 2-host job, its agent counted)
+                    spec = {"n": 2 if where == "one_host" else N_RANKS + 1, "blocks": blocks, "block_s": block_s}
                     cmd = self.on_host([PROG, "overhead", json.dumps(spec)])
                 _, _, res, _ = self.run(f"overhead {where} round {rnd + 1}", cmd,
                                         pin=where.endswith("pinned"))
@@ -528,9 +530,10 @@ def main():
     pt_all = [t * 1e6 for rs in ovh.values() for r in rs for t in r["pytensor"]]
     ov["pytensor_us"] = med(pt_all)
     print(f"  {'plain PyTensor call':44s} {ov['pytensor_us']:9.2f}")
-    labels = {"one_host": "synk, 1 host x 2 ranks (no MPI)"}
+    labels = {"one_host": "synk, 1 host x 2 ranks (no MPI)",
+              "one_host_procs": f"synk, 1 host x {N_RANKS + 1} ranks (no MPI)"}
     labels.update({f"two_hosts_{pl}": f"synk, 2 hosts x {PER_HOST} rank(s) (mpiexec), {pl}" for pl in placements})
-    for where in ["one_host"] + [f"two_hosts_{pl}" for pl in placements]:
+    for where in ["one_host", "one_host_procs"] + [f"two_hosts_{pl}" for pl in placements]:
         rs = ovh[where]
         if not rs:
             continue
@@ -540,8 +543,10 @@ def main():
                          pytensor_us=med([t * 1e6 for r in rs for t in r["pytensor"]]),
                          ok=all(r["ok"] for r in rs), n=rs[0]["n"])
         extra = ""
-        if where != "one_host" and "one_host" in ov:
+        if where.startswith("two_hosts") and "one_host" in ov:
             extra = f"; {ov[where]['synk_us'] / ov['one_host']['synk_us']:.1f}x one host"
+            if "one_host_procs" in ov:
+                extra += f", {ov[where]['synk_us'] / ov['one_host_procs']['synk_us']:.1f}x {N_RANKS + 1} ranks"
         print(f"  {labels[where]:44s} {ov[where]['synk_us']:9.1f}   (+{ov[where]['synk_us'] - ov['pytensor_us']:.1f} "
               f"over PyTensor{extra})   per round "
               f"{' '.join(f'{x:.1f}' for x in ov[where]['per_round_us'])}")
@@ -550,6 +555,10 @@ def main():
             x = ov[f"two_hosts_{pl}"]["synk_us"] / ov["one_host"]["synk_us"]
             print(f"  goal (a call over 2 hosts <= 3x the call on one host), {pl}: "
                   f"{'MET' if x <= 3 else 'NOT MET'} ({x:.1f}x)")
+    if "one_host_procs" in ov:
+        print(f"  ({N_RANKS + 1} ranks on one host: as many processes as the 2-host job, whose host "
+              f"without the master runs an MPI process beside its rank(s); on {len(os.sched_getaffinity(0))} "
+              f"cores that many processes take turns, which the 2-rank call does not)")
 
     # ---- 3. table --------------------------------------------------------------------------
     dm = {}
