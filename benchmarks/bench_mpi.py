@@ -658,6 +658,8 @@ def plot(sizes, ar, ov, path):
     parts = [f"PyTensor {ov['pytensor_us']:.1f} us"]
     if "one_host" in ov:
         parts.append(f"synk 1 host {ov['one_host']['synk_us']:.0f} us")
+    if "one_host_procs" in ov:
+        parts.append(f"1 host x {ov['one_host_procs']['n']} ranks {ov['one_host_procs']['synk_us']:.0f} us")
     parts += [f"synk 2 hosts ({k[10:]}) {v['synk_us']:.0f} us" for k, v in ov.items()
               if k.startswith("two_hosts_")]
     fig.suptitle("per-call time, tiny function: " + ", ".join(parts), fontsize=9)
