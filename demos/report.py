@@ -60,9 +60,14 @@ def first_calls(jit_serial, jit_synk, t_build):
 def result(test_acc, s_ep, s1_ep, p_ep, cores, n, caveat, backend="numba", batch=None):
     """The ``RESULT:`` line: test accuracy, median epoch of the serial runs (all cores, one
     thread) and of the data-parallel run, the speedups, what they compare (``batch`` rows a
-    step, split over the ranks; one thread a rank) and ``caveat`` (the load's).  On GPU
+    step, split over the ranks; one thread a rank), a note when the one-thread serial run
+    was the faster one, and ``caveat`` (the load's).  On GPU
     ranks (``backend="gpu"``) the serial run is plain PyTensor JAX on one GPU; on JAX CPU
     ranks (``"jax"``) plain PyTensor JAX on the cores."""
+    if backend != "gpu" and cores > 1 and s1_ep < s_ep:
+        caveat = (f" | note: plain PyTensor ran faster on one thread than on {cores} in this run (its "
+                  f"threads cost more than they gave on these steps): the figure over one core is the "
+                  f"one to read{caveat}")
     if batch:
         what = f" (batch {batch}: {batch // n} rows a rank" + ("" if backend == "gpu" else ", 1 thread each") + ")"
         caveat = what + caveat

@@ -110,3 +110,16 @@ def test_harness_progress_lines_and_load_verdict():
     for load in (machine_load.OtherLoad(), machine_load.MachineLoad()):
         share = load.share()
         assert share is None or 0.0 <= share <= 1.0
+
+
+def test_result_line_says_when_one_thread_beat_all_cores():
+    """The ``RESULT:`` line points to the one-core figure when plain PyTensor ran faster on
+    one thread than on all cores (small steps: its threads cost more than they gave), and
+    says nothing of it otherwise."""
+    report = _demo_module("report")
+    slow_threads = report.result(0.97, 0.031, 0.020, 0.013, 2, 2, "", "numba", 128)
+    assert "2.38x over PyTensor on all cores, 1.54x over one core" in slow_threads
+    assert "faster on one thread than on 2" in slow_threads and "one to read" in slow_threads
+    fast_threads = report.result(0.97, 0.017, 0.020, 0.013, 2, 2, "", "numba", 128)
+    assert "faster on one thread" not in fast_threads
+    assert "faster on one thread" not in report.result(0.97, 0.031, 0.020, 0.013, 1, 2, "", "numba", 128)
