@@ -166,6 +166,19 @@ def scenario_features(n):
     ck.close("set_value batch, remote rank", synk.get_value(n - 1, v), np.full(4, 3.0))
     synk.set_value(n - 1, v, synk.data(np.arange(9.0)), batch=[8, 0, 4])
     ck.close("set_value index batch, Data", synk.get_value(n - 1, v), np.array([8.0, 0.0, 4.0]))
+    # shapes that differ so that one host's reduction is small (its values would go with the
+    # shapes) and the other's large (an MPI all-reduce would follow): refused alike
+    straddle = [np.arange(5.0)] * (n - 1) + [np.arange(20000.0)]
+    for r in range(n):
+        synk.set_value(r, v, straddle[r])
+    try:
+        synk.all_reduce(v, op="sum")
+        ck.equal("all_reduce of a small and a large shape raises", "no error", "ValueError")
+    except ValueError as e:
+        ck.equal("all_reduce of a small and a large shape: the message",
+                 "needs the same shape on every rank" in str(e), True)
+    ck.close("all_reduce of a small and a large shape changed nothing", np.concatenate(synk.gather(v)),
+             np.concatenate(straddle))
     # a variable that keeps growing: the host buffers between hosts are replaced, and the
     # replaced ones must be unmapped (a deleted segment still mapped keeps its memory)
     from synk_testutil import deleted_mappings
