@@ -1,5 +1,7 @@
 """Helpers shared by the synkhronos tests: the session's ranks and resources (through the
 public ``synk.session_info()``), /dev/shm entries, worker processes, signals, waiting."""
+import atexit
+import glob
 import os
 import signal
 import tempfile
@@ -13,10 +15,21 @@ from synkhronos.backends.shm import segments as shm
 # pytest-xdist each test process keeps a log of its own, PREFIX_LOG.<worker> (a module's
 # check must not see the live sessions of the module another process runs meanwhile);
 # scripts/leakcheck.py reads them all.
+def _remove_logs(path):
+    """At the exit of the test process that made the log ``path``: remove it and its
+    per-worker logs (nobody reads them later; scripts/test.sh keeps its own)."""
+    for p in [path] + glob.glob(glob.escape(path) + ".*"):
+        try:
+            os.unlink(p)
+        except OSError:
+            pass
+
+
 if not os.environ.get("SYNK_PREFIX_LOG"):
     _fd, _path = tempfile.mkstemp(prefix="synk-test-prefixes-")
     os.close(_fd)
     os.environ["SYNK_PREFIX_LOG"] = _path
+    atexit.register(_remove_logs, _path)
 if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("SYNK_PREFIX_LOG_WORKER"):
     os.environ["SYNK_PREFIX_LOG"] += "." + os.environ["PYTEST_XDIST_WORKER"]
     os.environ["SYNK_PREFIX_LOG_WORKER"] = "1"
