@@ -166,8 +166,8 @@ def scenario_features(n):
     ck.close("set_value batch, remote rank", synk.get_value(n - 1, v), np.full(4, 3.0))
     synk.set_value(n - 1, v, synk.data(np.arange(9.0)), batch=[8, 0, 4])
     ck.close("set_value index batch, Data", synk.get_value(n - 1, v), np.array([8.0, 0.0, 4.0]))
-    # shapes that differ so that one host's reduction is small (its values would go with the
-    # shapes) and the other's large (an MPI all-reduce would follow): refused alike
+    # shapes that differ between the hosts, one small and one large (the host buffers are
+    # sized by the host's largest rank before the hosts compare shapes): refused alike
     straddle = [np.arange(5.0)] * (n - 1) + [np.arange(20000.0)]
     for r in range(n):
         synk.set_value(r, v, straddle[r])
@@ -318,15 +318,17 @@ def scenario_fault(n, what):
     _result(**res)
 
 
-def scenario_close_lost(n):
+def scenario_close_lost(n, what="kill"):
     """``synk.close()`` while the last rank (on the other host) is frozen, and killed 0.5 s
-    later: the other rank of its host has answered "quit" and exited by then.  How long the
-    close took (its limit for the ranks' answers is 5 s) and whether it raised."""
+    later (``kill``) or left frozen (``stop``): the other rank of its host has answered
+    "quit" and exited by then.  How long the close took (its limit for the ranks' answers is
+    5 s) and whether it raised."""
     import synkhronos as synk
     info = _session(n)
     victim = info.ranks[-1]
     os.kill(victim.pid, signal.SIGSTOP)
-    threading.Timer(0.5, lambda: os.kill(victim.pid, signal.SIGKILL)).start()
+    if what == "kill":
+        threading.Timer(0.5, lambda: os.kill(victim.pid, signal.SIGKILL)).start()
     t0 = time.monotonic()
     raised = None
     try:

@@ -36,6 +36,17 @@ if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("SYNK_PREFIX_LOG
 PREFIX_LOG = os.environ["SYNK_PREFIX_LOG"]
 
 
+def program_env(**extra_flags):
+    """The environment for a program a test starts, with ``PYTENSOR_FLAGS`` reduced to the
+    run's own caches (``base_compiledir``, set by scripts/test.sh) plus ``extra_flags``."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTENSOR_FLAGS"}
+    flags = [f for f in os.environ.get("PYTENSOR_FLAGS", "").split(",") if f.startswith("base_compiledir=")]
+    flags += [f"{k}={v}" for k, v in extra_flags.items()]
+    if flags:
+        env["PYTENSOR_FLAGS"] = ",".join(flags)
+    return env
+
+
 def prefixes():
     """Every session prefix made so far by this test run, in order of creation."""
     try:

@@ -534,10 +534,7 @@ def test_a_session_leaves_no_file(tmp_path):
     pile up in the temporary directory run after run.  A session leaves nothing there."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "PYTENSOR_FLAGS"}
-    kept = [f for f in os.environ.get("PYTENSOR_FLAGS", "").split(",") if f.startswith("base_compiledir=")]
-    if kept:                  # (the test run's own caches: scripts/test.sh)
-        env["PYTENSOR_FLAGS"] = ",".join(kept)
+    env = tu.program_env()
     env["TMPDIR"] = str(tmp)
     run = subprocess.run([sys.executable, "-c", _NO_FILES_SCRIPT], env=env, capture_output=True,
                          text=True, timeout=300, cwd=str(tmp_path))

@@ -77,7 +77,6 @@ def test_float32_session_prints_no_jax_warning():
     """floatX=float32 leaves JAX's x64 mode off; PyTensor's float64 accumulators made every
     trace warn ("Explicitly requested dtype float64 ...").  The intro example's graph, on JAX
     CPU ranks and in plain PyTensor JAX, with every warning an error: none."""
-    import os
     import subprocess
     import sys
     prog = ("import numpy as np, pytensor, pytensor.tensor as T, synkhronos as synk\n"
@@ -92,8 +91,8 @@ def test_float32_session_prints_no_jax_warning():
             "assert np.allclose(f.as_theano(X, Y)[0], m)\n"
             "synk.close()\n"
             "print('ok')\n")
-    flags = [f for f in os.environ.get("PYTENSOR_FLAGS", "").split(",") if f] + ["floatX=float32"]
-    env = dict(os.environ, PYTENSOR_FLAGS=",".join(flags))
+    import synk_testutil as tu
+    env = tu.program_env(floatX="float32")
     env.pop("SYNK_MODE", None)
     proc = subprocess.run([sys.executable, "-W", "error", "-c", prog], capture_output=True, text=True,
                           timeout=240, env=env)

@@ -171,12 +171,15 @@ def test_hosts_rank_lost_on_the_other_host(hosts, what, exc, ranks):
     assert_hosts_clean(hosts)
 
 
-def test_hosts_rank_lost_after_its_neighbour_quit(hosts):
-    """A rank of the other host killed during ``synk.close()``, after the other rank of its
-    host answered "quit" and exited: its agent reports it (a clean exit after "quit" is no
-    loss, and did not use up the agent's one report), so the close gives up waiting at once
-    instead of after its 5 s limit, and nothing is left on either host."""
-    p, info, res = run_hosts(hosts, "close_lost", "4")
+@pytest.mark.parametrize("what,ranks", [("kill", None), ("stop", None),
+                                        pytest.param("kill", {"SYNK_MODE": "JAX"}, id="kill-JAX")])
+def test_hosts_rank_lost_after_its_neighbour_quit(hosts, what, ranks):
+    """A rank of the other host killed (or left frozen) during ``synk.close()``, after the
+    other rank of its host answered "quit" and exited: its agent reports it (a clean exit
+    after "quit" is no loss, and did not use up the agent's one report), so the close gives
+    up waiting at once (a frozen rank: once seen frozen) instead of after its 5 s limit, and
+    nothing is left on either host."""
+    p, info, res = run_hosts(hosts, "close_lost", "4", what, env=ranks)
     assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
     assert res["victim"] == 3 and res["victim_host"] == "hB", res
     assert res["raised"] is None and not res["open_after"], res
