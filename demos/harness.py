@@ -12,11 +12,13 @@ What it does, in order:
    ``synk.distribute()``;
 3. the batches (``batches.py``): per epoch, per step, per rank, the rows to use; the
    serial and the data-parallel run use exactly these;
-4. the serial baseline: the same training (same initial values, same batches, same steps)
-   in one plain PyTensor process, the master, through the same compiled graphs
-   (``step.serial``), on every core (multithreaded BLAS), then again on one thread;
-5. the same training data-parallel over all ranks, printing each epoch's loss and
-   validation accuracy;
+4. the same training data-parallel over all ranks, printing each epoch's loss, validation
+   accuracy and time; every three data-parallel epochs, the same epochs of the serial
+   baselines (``SerialRuns``): the same training (same initial values, same batches, same
+   steps) in one plain PyTensor process, the master, through the same compiled graphs
+   (``step.serial``), on every core (multithreaded BLAS), then on one thread, each from
+   its own state;
+5. the serial runs' summary;
 6. the comparison with the serial runs (final loss, largest parameter difference, and what
    explains it), the first-call (JIT) times, the load other programs put on the machine,
    and the ``RESULT:`` line: test accuracy, time per epoch serial vs synkhronos, speedups
@@ -24,7 +26,13 @@ What it does, in order:
 
 Timing.  The first call of every compiled function JIT-compiles it (numba; cached on disk
 for later runs): both paths are warmed up with one step before they are timed, and the
-first-call times are reported separately.  The speedups compare median epochs.  Other
+first-call times are reported separately.  The speedups compare median epochs.  The runs
+take turns because a shared machine drifts in phases of seconds while a demo epoch lasts
+~0.02 s: on the 2-core VM the demos are measured on, one core's memory bandwidth moved
+between 0.12 and 0.28 s for the same 60 passes over 32 MB within two minutes, and two
+processes computing at once ran 1.5-1.7x slower than one in some phases
+(``benchmarks/bench_machine.py``).  Run one after the other, the serial and the
+data-parallel epochs were timed on different machines in effect.  Other
 programs matter a lot: multithreaded BLAS, which the all-cores baseline relies on, slows
 down up to ~10x when another program holds one of its cores, so the harness measures the
 CPU other programs use (``synkhronos.machine_load``: ``/proc/stat`` minus this process and
@@ -33,6 +41,7 @@ its ranks) just before, during and just after the timed runs, and when they used
 """
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -123,13 +132,10 @@ def run(args, build_model, prepare=None):
         steps = len(epochs[0])
         tr.remember_initial()
 
-        s = serial_baselines(args, mode, tr, serial_idx, X_va, y_va, cores, gpu=backend == "gpu")
-        where = "one GPU" if backend == "gpu" else plural(cores, 'thread')
-        print(f"serial (1 process, {where}): {plural(steps, 'step')}/epoch, "
-              f"{np.median(s['t']):.3f} s/epoch; final loss {s['loss']:.4f}, "
-              f"valid acc {s['valid_acc']:.4f}")
+        s = serial_first_calls(mode, tr, serial_idx, X_va, y_va, cores)
+        serial = SerialRuns(mode, serial_idx, cores, gpu=backend == "gpu", start=tr.serial_state())
 
-        # ---- the data-parallel run --------------------------------------------------------
+        # ---- the data-parallel run, the serial runs' epochs in turn -----------------------
         synk_step = tr.feed_ranks(lengths)
         tr.restore()
         t0 = time.perf_counter()
@@ -141,14 +147,22 @@ def run(args, build_model, prepare=None):
         tr.restore()
         per_rank = max(1, cores // n)
         each = "one GPU" if backend == "gpu" else plural(per_rank, 'thread')
-        print(f"synkhronos ({plural(n, 'rank')}, {each}{' each' if n > 1 else ''}):")
+        print(f"synkhronos ({plural(n, 'rank')}, {each}{' each' if n > 1 else ''}), and every "
+              f"{SerialRuns.TURN} epochs the same epochs of the serial "
+              f"{'run' if backend == 'gpu' else 'runs'} (1 process, {serial.where()}), in turns:")
         def rebuild(n_left):                 # --elastic: a session of the ranks left
             synk.fork(n_left, timeline=args.timeline)
             tr2 = Training(args, build_model, data, B, n_left, dtype)
             synk.distribute()
             return tr2, tr2.feed_ranks(lengths), synk.data(X_va), synk.data(y_va)
+        settle_threads()
         t_synk, losses, (tr, X_va_d, y_va_d) = parallel_epochs(args, mode, tr, synk_step, epochs, X_va_d, y_va_d,
-                                                               rebuild if args.elastic else None)
+                                                               rebuild if args.elastic else None,
+                                                               between=serial.catch_up)
+        s.update(serial.finish(tr, X_va, y_va))
+        print(f"serial (1 process, {serial.where()}): {plural(steps, 'step')}/epoch, "
+              f"{np.median(s['t']):.3f} s/epoch; final loss {s['loss']:.4f}, "
+              f"valid acc {s['valid_acc']:.4f}")
         n = synk.session_info().n
         X_te_d, y_te_d = synk.data(X_te), synk.data(y_te)
         busy_during = s["during"].share()
@@ -179,31 +193,24 @@ def run(args, build_model, prepare=None):
         synk.close()
 
 
-def serial_epochs(args, mode, tr, serial_idx, label):
-    """The serial training's epochs: (their times, the last step's loss)."""
-    times, last = [], None
-    for e, ep_idx in enumerate(serial_idx):
-        t0 = time.perf_counter()
-        with Progress(len(ep_idx), f"{label} epoch {e + 1}/{args.epochs}", mode) as pb:
-            for idx in ep_idx:
-                last = float(tr.serial_step(idx))
-                pb.step(last)
-        times.append(time.perf_counter() - t0)
-    return times, last
+def serial_epoch(mode, tr, idx_epoch, label):
+    """One epoch of a serial run (``tr.serial_step`` on each step's rows): (its time, the
+    last step's loss)."""
+    last = None
+    t0 = time.perf_counter()
+    with Progress(len(idx_epoch), label, mode) as pb:
+        for idx in idx_epoch:
+            last = float(tr.serial_step(idx))
+            pb.step(last)
+    return time.perf_counter() - t0, last
 
 
-def serial_baselines(args, mode, tr, serial_idx, X_va, y_va, cores, gpu=False):
-    """The serial baselines, on every core, then on one thread (on a GPU: once, on the
-    master's GPU); returns their times, final losses and parameters, the first call's time,
-    and the other programs' load before them (and an ``OtherLoad`` started with them).
-
-    Plain PyTensor in this (master) process: the SAME compiled graphs (``step.serial`` /
-    ``Function.as_theano``: no extra JIT), the same initial values and the same batches.
-    While forked, the master's BLAS is limited to its share of the cores, so the limit is
-    lifted to every usable core here (the workers sleep on their semaphores meanwhile), then
-    the same training runs with one thread.  It runs after ``fork()`` only because
-    ``synk.function`` needs a session to build the graphs; nothing of synkhronos runs during
-    the timed loops.  Each step includes gathering the batch rows, as the ranks do."""
+def serial_first_calls(mode, tr, serial_idx, X_va, y_va, cores):
+    """The serial functions' first calls (JIT compile or cache load), on every core; then
+    the other programs' load before the timed runs (the ranks idle), and an ``OtherLoad``
+    started with them.  The serial runs are plain PyTensor in this (master) process, the
+    SAME compiled graphs (``step.serial`` / ``Function.as_theano``: no extra JIT); they run
+    after ``fork()`` only because ``synk.function`` needs a session to build the graphs."""
     from threadpoolctl import threadpool_limits
     s = {}
     with threadpool_limits(limits=cores):
@@ -213,40 +220,124 @@ def serial_baselines(args, mode, tr, serial_idx, X_va, y_va, cores, gpu=False):
             tr.serial_step(serial_idx[0][0])
             tr.f_eval.as_theano(X_va[:2], y_va[:2])
         s["jit"] = time.perf_counter() - t0
-        tr.restore()
-        s["busy_before"] = busy = machine_load.machine_busy()   # ranks idle: other programs
-        if busy is not None and busy >= machine_load.BUSY:
-            print(f"note: other programs keep {machine_load.percent(busy)} of the CPU busy: the "
-                  "timings below are disturbed (multithreaded BLAS in the serial run suffers "
-                  "most)")
-        s["la0"] = machine_load.load_average()
-        s["during"] = machine_load.OtherLoad()
-        s["t"], s["loss"] = serial_epochs(args, mode, tr, serial_idx,
-                                          f"serial ({plural(cores, 'thread')})")
-        c_va, _ = tr.f_eval.as_theano(X_va, y_va)
-        s["valid_acc"] = int(c_va) / len(y_va)
-    s["params"] = tr.params_now()
-    if gpu:                      # (BLAS threads do not matter there: one run)
-        s["t1"], s["loss1"], s["params1"] = s["t"], s["loss"], s["params"]
-        return s
-    with threadpool_limits(limits=1):
-        tr.restore()
-        s["t1"], s["loss1"] = serial_epochs(args, mode, tr, serial_idx, "serial (1 thread)")
-    s["params1"] = tr.params_now()
-    # OpenBLAS's extra threads in this process busy-wait for a while after their last
-    # job before sleeping; let them settle so they do not steal a core from the ranks.
-    time.sleep(1.0)
+    tr.restore()
+    s["busy_before"] = busy = machine_load.machine_busy()   # ranks idle: other programs
+    if busy is not None and busy >= machine_load.BUSY:
+        print(f"note: other programs keep {machine_load.percent(busy)} of the CPU busy: the "
+              "timings below are disturbed (multithreaded BLAS in the serial run suffers most)")
+    s["la0"] = machine_load.load_average()
+    s["during"] = machine_load.OtherLoad()
     return s
 
 
-def parallel_epochs(args, mode, tr, synk_step, epochs, X_va_d, y_va_d, rebuild=None):
+class SerialRuns:
+    """The serial baselines, in turns with the data-parallel run (``TURN`` epochs each): on
+    every core (multithreaded BLAS), then on one thread (on a GPU: once, on the master's
+    GPU), each from its own state (``Training.serial_state``: in the master only, so a
+    turn never talks to the ranks), with the same batches.
+
+    Why turns of a few epochs and not of one: the first data-parallel epoch after a pause
+    took 10% longer than the next one (medians of 255 pairs: 0.0168 against 0.0153 s; its
+    first step 2.3-2.5 ms against 1.3-1.4 ms, after the serial runs as after 0.1 s of
+    sleep), so with turns of ``TURN`` epochs the median epoch of every run is one that
+    followed one of its own.  While forked, the master's BLAS is limited to its share of
+    the cores, so the limit is lifted to every usable core for the first run (the workers
+    sleep on their semaphores meanwhile).  Each step includes gathering the batch rows, as
+    the ranks do."""
+
+    TURN = 3
+
+    def __init__(self, mode, serial_idx, cores, gpu, start):
+        self.mode, self.idx = mode, serial_idx
+        threads = [cores] if gpu else [cores, 1]
+        self.runs = [dict(threads=k, state=start, t=[], loss=None, params=None,
+                          label="one GPU" if gpu else plural(k, "thread"))
+                     for k in threads]
+
+    def where(self):
+        """What the serial runs use, in words."""
+        return " and ".join(r["label"] for r in self.runs)
+
+    def catch_up(self, tr, epochs_done, turn=None):
+        """When the data-parallel run is ``turn`` (default ``TURN``) epochs ahead, or done:
+        run each serial run's epochs up to ``epochs_done`` (never one twice: ``--elastic``
+        repeats epochs, ``--resume`` starts late), print their times, put the master's
+        data-parallel values back and wait for the BLAS threads to sleep."""
+        from threadpoolctl import threadpool_limits
+        first = min(len(r["t"]) for r in self.runs)
+        ahead = epochs_done - first
+        if ahead <= 0 or (ahead < (turn or self.TURN) and epochs_done < len(self.idx)):
+            return
+        keep = tr.serial_state()
+        for run in self.runs:
+            tr.set_serial_state(run["state"])
+            with threadpool_limits(limits=run["threads"]):
+                for e in range(len(run["t"]), epochs_done):
+                    t, run["loss"] = serial_epoch(
+                        self.mode, tr, self.idx[e],
+                        f"serial ({run['label']}) epoch {e + 1}/{len(self.idx)}")
+                    run["t"].append(t)
+            run["state"], run["params"] = tr.serial_state(), tr.params_now()
+        tr.set_serial_state(keep)
+        which = f"epoch {epochs_done}" if ahead == 1 else f"epochs {first + 1}-{epochs_done}"
+        print(f"  serial, {which}: " + "; ".join(
+            f"{', '.join(f'{t:.3f}' for t in r['t'][first:])} s ({r['label']})"
+            for r in self.runs), flush=True)
+        settle_threads()
+
+    def finish(self, tr, X_va, y_va):
+        """The epochs not run yet, the first run's validation accuracy, and the results as
+        ``run``'s ``s`` keys: ``t``, ``loss``, ``params``, ``valid_acc`` (the run on every
+        core) and ``t1``, ``loss1``, ``params1`` (the one on one thread)."""
+        from threadpoolctl import threadpool_limits
+        self.catch_up(tr, len(self.idx), turn=1)
+        first, last = self.runs[0], self.runs[-1]
+        keep = tr.serial_state()
+        tr.set_serial_state(first["state"])
+        with threadpool_limits(limits=first["threads"]):
+            c_va, _ = tr.f_eval.as_theano(X_va, y_va)
+        tr.set_serial_state(keep)
+        return dict(t=first["t"], loss=first["loss"], params=first["params"],
+                    valid_acc=int(c_va) / len(y_va), t1=last["t"], loss1=last["loss"],
+                    params1=last["params"])
+
+
+def settle_threads(limit=1.0):
+    """Wait (``limit`` s at most) until no other thread of this process runs: OpenBLAS's
+    threads keep polling for ~0.1 s after their last job (measured here) and would take a
+    core from the ranks.  Without ``/proc``, wait ``limit``."""
+    task = f"/proc/{os.getpid()}/task"
+    me = str(threading.get_native_id())
+    end = time.perf_counter() + limit
+    while time.perf_counter() < end:
+        try:
+            tids = [t for t in os.listdir(task) if t != me]
+        except OSError:
+            time.sleep(max(0.0, end - time.perf_counter()))
+            return
+        if not any(_thread_running(task, t) for t in tids):
+            return
+        time.sleep(0.005)
+
+
+def _thread_running(task, tid):
+    """Whether thread ``tid`` (of ``/proc/<pid>/task``) is running or runnable now."""
+    try:
+        with open(f"{task}/{tid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "R"
+    except (OSError, IndexError):
+        return False          # gone meanwhile
+
+
+def parallel_epochs(args, mode, tr, synk_step, epochs, X_va_d, y_va_d, rebuild=None, between=None):
     """The data-parallel training's epochs, each followed by a validation by the ranks and
     its line (and with ``--checkpoint``, a checkpoint): (their times, the last epoch's
     losses, and ``(tr, X_va_d, y_va_d)`` of the session in use at the end).  ``--resume``
     starts after the checkpoint's epoch.  With ``rebuild(n)`` (``--elastic``) a lost rank
     does not end the run: every epoch is committed in memory, and after a loss a session
     of the ranks left (``rebuild``: fork, build, distribute) goes on from the last commit,
-    with the same global batches."""
+    with the same global batches.  ``between(tr, epochs_done)`` runs before each epoch
+    (the serial runs' turn)."""
     import synkhronos as synk
     from synkhronos import checkpoint
     t_synk, losses, start = [], [float("nan")], 0
@@ -259,6 +350,8 @@ def parallel_epochs(args, mode, tr, synk_step, epochs, X_va_d, y_va_d, rebuild=N
     e = start
     while e < len(epochs):
         try:
+            if between is not None:
+                between(tr, e)
             losses = []
             t0 = time.perf_counter()
             with Progress(len(epochs[e]), f"epoch {e + 1}/{args.epochs}", mode) as pb:

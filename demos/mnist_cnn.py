@@ -24,9 +24,10 @@ threads, so the ranks have something to gain even over "all cores".
 The comparison with the serial runs: without batch norm the runs are the same training, up
 to float32 rounding.  That rounding differs with the batch split and the number of BLAS
 threads, and where it moves a ReLU or max-pool input across its switching point Adam
-carries the difference on: with the default options the ranks ended 2.2e-06 from the
-one-thread serial run but 5.3e-02 from the two-thread one, where a dense-layer ReLU flipped
-at step 7; with ``--float64`` all of them agree to 1.3e-15 (see ``demos/report.py``).
+carries the difference on: with the default options the ranks ended 5.3e-02 from both
+serial runs on 2026-11-28 (2.2e-06 from the one-thread run in an earlier build, where a
+two-thread ReLU flipped at step 7); with ``--float64`` all of them agree to ~1e-15 (see
+``demos/report.py``).
 
 Data patterns (``--data-pattern``), as in the MLP demo: ``batch`` passes the whole training
 set (a ``synk.Data``) with a shuffled index array (``batch=idx``) every step; ``scatter``

@@ -6,11 +6,13 @@ rounding, but rounding is not always small in effect: a product's last bits depe
 it is split (the batch over ranks, the columns over BLAS threads), and where that moves a
 ReLU or max-pool input across its switching point, one sample's gradient through that unit
 changes and the update rule (Adam's normalized steps especially) carries the difference on.
-Measured on the CNN demo (default options, 150 steps): against the serial run on one thread
-the ranks ended 2.2e-06 apart; against the serial run on two BLAS threads a dense-layer
-ReLU flipped at step 7 (pre-activation -4.5e-07 on one thread, +2.8e-08 on two), that
-step's gradient differed by 1.3e-03 in 179 entries, and the parameters ended 5.3e-02
-apart (1.2e-03 after 20 steps).  With ``--seed 1`` the ranks ended 2.9e-07 from both
+Measured on the CNN demo (default options, 150 steps), in an earlier build: against the
+serial run on one thread the ranks ended 2.2e-06 apart; against the serial run on two BLAS
+threads a dense-layer ReLU flipped at step 7 (pre-activation -4.5e-07 on one thread,
++2.8e-08 on two), that step's gradient differed by 1.3e-03 in 179 entries, and the
+parameters ended 5.3e-02 apart (1.2e-03 after 20 steps).  On 2026-11-28 both serial runs
+ended at the same loss (0.0926) and the ranks 5.3e-02 from both (the batch split alone
+moved a switching point; ``--float64``: 6.9e-16).  With ``--seed 1`` the ranks ended 2.9e-07 from both
 serial runs; with ``--seed 2``, 6.6e-03 from both (a flip caused by the batch split alone).
 With ``--float64`` the same runs agree to 1.3e-15 (seed 0) and 3.3e-16 (seed 2).  Batch
 norm is different in kind: each rank normalizes its own share of the batch (see

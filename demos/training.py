@@ -87,16 +87,41 @@ class Training:
 
     # ---- after synk.distribute() ----------------------------------------------------------
 
-    def remember_initial(self):
-        """Keep the initial parameters and running statistics for :meth:`restore`."""
-        self.initial = self.step.snapshot()
-        self.initial_stats = [np.array(v.get_value(), copy=True) for v in self.stats]
+    def state(self):
+        """The training's state now, for :meth:`restore`: the step's (``step.snapshot``:
+        parameters, gradient, the rule's state) and the running statistics, as the master
+        holds them (every rank's, once :meth:`evaluate` averaged the statistics)."""
+        return self.step.snapshot(), [np.array(v.get_value(), copy=True) for v in self.stats]
 
-    def restore(self):
-        """Every rank back to the initial values (``synk.broadcast``: all equal)."""
-        self.step.restore(self.initial)
+    def remember_initial(self):
+        """Keep the initial state for :meth:`restore`."""
+        self.initial = self.state()
+
+    def restore(self, state=None):
+        """The master and every rank to ``state`` (from :meth:`state`; default: the initial
+        one), through ``synk.broadcast``: all equal."""
+        values, stats = self.initial if state is None else state
+        self.step.restore(values)
         if self.stats:
-            synk.broadcast(self.stats, [v.copy() for v in self.initial_stats])
+            synk.broadcast(self.stats, [v.copy() for v in stats])
+
+    def serial_state(self):
+        """What the serial step reads and writes, in the master only (no collective): the
+        step's (``step.serial_snapshot``), the running statistics and, with the ``scatter``
+        pattern, the master's shard of the training set (the serial step sets it to its
+        rows).  To take turns between serial runs and the data-parallel one."""
+        shards = [v.get_value(borrow=True) for v in (self.X_s, self.y_s)] if self.pattern != "batch" else []
+        return (self.step.serial_snapshot(), [np.array(v.get_value(), copy=True) for v in self.stats],
+                shards)
+
+    def set_serial_state(self, state):
+        """Back to ``state`` (from :meth:`serial_state`), in the master only."""
+        values, stats, shards = state
+        self.step.serial_restore(values)
+        for v, val in zip(self.stats, stats):
+            v.set_value(val.copy())
+        for v, val in zip((self.X_s, self.y_s) if shards else (), shards):
+            v.set_value(val, borrow=True)
 
     def params_now(self):
         return [np.array(p.get_value(), copy=True) for p in self.model.params]

@@ -38,6 +38,30 @@ def test_demo_one_short_epoch(pattern):
     assert m and abs(float(m.group(1)) - float(m.group(2))) < 1e-3, out
 
 
+@pytest.mark.parametrize("pattern", ["batch", "scatter"])
+def test_serial_runs_take_turns(pattern):
+    """The serial runs take turns with the data-parallel epochs (3 epochs each, the rest at
+    the end) and each still trains as if alone: after 4 epochs all three runs end within
+    float32 rounding (with the scatter pattern the serial steps set the master's shard
+    of the data, which a turn must give back)."""
+    pytest.importorskip("sklearn")
+    cmd = [sys.executable, DEMO, "--n-parallel", "2", "--epochs", "4", "--max-steps", "3",
+           "--batch-size", "64", "--hidden", "64", "--learning-rate", "0.01",
+           "--data-pattern", pattern, "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=ROOT,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    out = proc.stdout
+    assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{out}\n{proc.stderr[-3000:]}"
+    order = [m.group(1).strip() for m in (re.match(r"(epoch\s+\d/4|  serial, epochs? [0-9-]+)", ln)
+                                          for ln in out.splitlines()) if m]
+    assert order == ["epoch   1/4", "epoch   2/4", "epoch   3/4", "serial, epochs 1-3", "epoch   4/4",
+                     "serial, epoch 4"], out
+    times = re.search(r"serial, epochs 1-3: ([0-9., ]+) s \(2 threads\); ([0-9., ]+) s \(1 thread\)", out)
+    assert times and all(len(t.split(", ")) == 3 for t in times.groups()), out
+    m = re.search(r"max \|param difference\| ([0-9.e+-]+) and ([0-9.e+-]+)", out)
+    assert m and max(map(float, m.groups())) < 1e-4, out
+
+
 @pytest.mark.parametrize("script", ["mnist_mlp.py", "mnist_cnn.py", "resnet.py"])
 def test_demo_help_states_each_default_once(script):
     """``--help`` answers at once (nothing heavy imported) and every option's help says its

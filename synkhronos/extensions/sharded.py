@@ -130,6 +130,12 @@ class ShardedTrainFunction(TrainFunction):
             self._serial = self._serial_builder()
         return self._serial[0](*arrays)[0]
 
+    def _serial_vars(self):
+        """The parameters and the serial reference's own copy of the rule's state."""
+        if self._serial is None:
+            self._serial = self._serial_builder()
+        return list(self.params) + list(self._serial[1])
+
     def snapshot(self):
         """Copies of ``state_vars``: sharded state gathered whole, in rank order."""
         if not self._distributed():

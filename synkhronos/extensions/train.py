@@ -170,6 +170,25 @@ class TrainFunction:
         """Copies of the master's values of ``state_vars`` (for ``restore``)."""
         return [np.array(v.get_value(borrow=True), copy=True) for v in self.state_vars]
 
+    def serial_snapshot(self):
+        """Copies of the values ``serial`` reads and writes, in the master only (no
+        collective): to keep several serial references and take turns between them (with
+        ``serial_restore``) without touching the ranks."""
+        return [np.array(v.get_value(borrow=True), copy=True) for v in self._serial_vars()]
+
+    def serial_restore(self, values):
+        """Set the values ``serial`` reads and writes (from ``serial_snapshot``), in the
+        master only."""
+        held = self._serial_vars()
+        if len(values) != len(held):
+            raise ValueError(f"serial_restore needs {len(held)} values, got {len(values)}")
+        for v, val in zip(held, values):
+            v.set_value(np.array(val, copy=True))
+
+    def _serial_vars(self):
+        """The shared variables ``serial`` reads and writes: here, ``state_vars``."""
+        return self.state_vars
+
     def restore(self, values):
         """Set ``state_vars`` to ``values`` (from ``snapshot``): in the master, and on every
         rank (``synk.broadcast``) once the functions are distributed."""
