@@ -16,8 +16,10 @@ through the public API only:
   BLAS threads, on half the rows on one thread, and on half the rows in each of the two
   ranks at once (one call): whether the ranks can beat BLAS threads on it at all.
 
-Usage: python benchmarks/bench_step_parts.py [--model mlp784|mlp] [--batches 64,256] [--reps 9]
-(``--model mlp``: the README demo's MLP 64-1024-1024-10, e.g. at its batch, ``--batches 512``.)
+Usage: python benchmarks/bench_step_parts.py [--model mlp784|mlp|cnn] [--batches 64,256] [--reps 9]
+(``--model mlp``: the MLP demo's 64-1024-1024-10, e.g. at its batch, ``--batches 512``;
+``--model cnn``: the README's main job, ``demos/mnist_cnn.py``'s CNN, e.g. ``--batches 128``;
+no widest product for it: its products are small.)
 Prints a table and saves benchmarks/results/step_parts.json (step_parts_<model>.json for
 another model)."""
 import argparse
@@ -33,8 +35,8 @@ from common import call_times, write_results
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="64,256", help="comma-separated batch sizes (default: 64,256)")
-    ap.add_argument("--model", default="mlp784", choices=["mlp784", "mlp"],
-                    help="mlp784 (default) or mlp (the README demo's model)")
+    ap.add_argument("--model", default="mlp784", choices=["mlp784", "mlp", "cnn"],
+                    help="mlp784 (default), mlp (the MLP demo's model) or cnn (the README's main job)")
     ap.add_argument("--reps", type=int, default=9, help="timed runs of 20 steps each (medians)")
     args = ap.parse_args()
     import pytensor
@@ -60,10 +62,11 @@ def main():
         _, local_updates, _ = updates.adam(updates.Reduced(pytensor.grad(loss_b, params_b)), params_b,
                                            learning_rate=1e-3)
         local = synk.function([x, y_b], loss_b, updates=local_updates, name="no_exchange")
-        H = models.MODELS[args.model]["sizes"][1]
-        W = pytensor.shared(rng.random((H, H), dtype=np.float32), name="W")
-        a = pt.matrix("a", dtype="float32")
-        product = synk.function([a], (pt.sum(a @ W), "sum"), name="product")   # each rank: its rows
+        H = models.MODELS[args.model].get("sizes", (0, 0))[1]      # (the CNN: no widest product)
+        if H:
+            W = pytensor.shared(rng.random((H, H), dtype=np.float32), name="W")
+            a = pt.matrix("a", dtype="float32")
+            product = synk.function([a], (pt.sum(a @ W), "sum"), name="product")   # each rank: its rows
         synk.distribute()
         X, Y = models.model_data(args.model, rng)
         Xd, Yd = synk.data(X), synk.data(Y)
@@ -106,16 +109,8 @@ def main():
             for threads in (1, 2):
                 row[f"chained step right after a {threads}-thread PyTensor run"] = float(
                     np.median([after(threads)() for _ in range(args.reps)])) / len(idxs)
-            A = rng.random((B, H), dtype=np.float32)
-            Ad, Wv = synk.data(A), W.get_value()
-            gemm = {f"one thread, {B} rows": (1, A), f"two threads, {B} rows": (2, A),
-                    f"one thread, {B // 2} rows": (1, A[:B // 2])}
-            for k, (threads, rows) in gemm.items():
-                with threadpool_limits(limits=threads):
-                    row[f"product {k}"] = float(np.median(call_times(lambda: rows @ Wv, args.reps * 3, 10)))
-            product(Ad)
-            row[f"product {B // 2} rows in each rank at once (n=2)"] = float(
-                np.median(call_times(lambda: product(Ad), args.reps * 3, 10)))
+            if H:
+                row.update(widest_product(synk, product, W, rng, B, H, args.reps))
             out[B] = row
             print(f"\n{models.MODELS[args.model]['desc']}, Adam, batch {B}, n=2: "
                   f"time per step (median of {args.reps} x 20)")
@@ -128,6 +123,24 @@ def main():
     write_results(dict(model=models.MODELS[args.model]["desc"], results=out, cores=os.cpu_count(),
                        time=time.strftime("%Y-%m-%d %H:%M:%S")),
                   "step_parts.json" if args.model == "mlp784" else f"step_parts_{args.model}.json")
+
+
+def widest_product(synk, product, W, rng, B, H, reps):
+    """The times of ``(B x H) @ (H x H)``: in the master on one and two BLAS threads, on half
+    the rows on one thread, and on half the rows in each rank at once (``product``)."""
+    from threadpoolctl import threadpool_limits
+    A = rng.random((B, H), dtype=np.float32)
+    Ad, Wv = synk.data(A), W.get_value()
+    gemm = {f"one thread, {B} rows": (1, A), f"two threads, {B} rows": (2, A),
+            f"one thread, {B // 2} rows": (1, A[:B // 2])}
+    row = {}
+    for k, (threads, rows) in gemm.items():
+        with threadpool_limits(limits=threads):
+            row[f"product {k}"] = float(np.median(call_times(lambda: rows @ Wv, reps * 3, 10)))
+    product(Ad)
+    row[f"product {B // 2} rows in each rank at once (n=2)"] = float(
+        np.median(call_times(lambda: product(Ad), reps * 3, 10)))
+    return row
 
 
 if __name__ == "__main__":
