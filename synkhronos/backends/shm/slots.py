@@ -16,7 +16,8 @@ from . import segments as shm
 MAXD = 16
 SLOT, RESULT, SHAPE = 0, 1, 2       # table planes: values, results, shape exchange
 _ALIGN = 64
-_EAGER_BYTES = 1 << 16              # eager area per rank (and parity): values
+_EAGER_BYTES = 1 << 17              # eager area per rank (and parity): values (docs/architecture.rst:
+                                    # one meeting beat the slots up to 128 KB at 2 ranks, not at 256 KB)
 _EAGER_WORDS = 256                  # eager area per rank (and parity): token and header (int64)
 _TOKEN = struct.Struct("<q")
 _DIGEST = np.array([-1], np.int64).tobytes()     # a header's second word when it is a digest
