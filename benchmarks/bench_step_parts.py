@@ -110,7 +110,7 @@ def main():
                 row[f"chained step right after a {threads}-thread PyTensor run"] = float(
                     np.median([after(threads)() for _ in range(args.reps)])) / len(idxs)
             if H:
-                row.update(widest_product(synk, product, W, rng, B, H, args.reps))
+                row.update(widest_product(product, W, rng, B, H, args.reps))
             out[B] = row
             print(f"\n{models.MODELS[args.model]['desc']}, Adam, batch {B}, n=2: "
                   f"time per step (median of {args.reps} x 20)")
@@ -125,10 +125,12 @@ def main():
                   "step_parts.json" if args.model == "mlp784" else f"step_parts_{args.model}.json")
 
 
-def widest_product(synk, product, W, rng, B, H, reps):
+def widest_product(product, W, rng, B, H, reps):
     """The times of ``(B x H) @ (H x H)``: in the master on one and two BLAS threads, on half
     the rows on one thread, and on half the rows in each rank at once (``product``)."""
     from threadpoolctl import threadpool_limits
+
+    import synkhronos as synk
     A = rng.random((B, H), dtype=np.float32)
     Ad, Wv = synk.data(A), W.get_value()
     gemm = {f"one thread, {B} rows": (1, A), f"two threads, {B} rows": (2, A),

@@ -17,6 +17,11 @@ from losses import picked
 from report import plural
 
 
+def values(variables):
+    """Copies of the master's values of shared ``variables``."""
+    return [np.array(v.get_value(), copy=True) for v in variables]
+
+
 def n_params(model):
     """How many numbers the model's trainable parameters hold."""
     return int(sum(p.get_value(borrow=True).size for p in model.params))
@@ -91,7 +96,7 @@ class Training:
         """The training's state now, for :meth:`restore`: the step's (``step.snapshot``:
         parameters, gradient, the rule's state) and the running statistics, as the master
         holds them (every rank's, once :meth:`evaluate` averaged the statistics)."""
-        return self.step.snapshot(), [np.array(v.get_value(), copy=True) for v in self.stats]
+        return self.step.snapshot(), values(self.stats)
 
     def remember_initial(self):
         """Keep the initial state for :meth:`restore`."""
@@ -111,8 +116,7 @@ class Training:
         pattern, the master's shard of the training set (the serial step sets it to its
         rows).  To take turns between serial runs and the data-parallel one."""
         shards = [v.get_value(borrow=True) for v in (self.X_s, self.y_s)] if self.pattern != "batch" else []
-        return (self.step.serial_snapshot(), [np.array(v.get_value(), copy=True) for v in self.stats],
-                shards)
+        return self.step.serial_snapshot(), values(self.stats), shards
 
     def set_serial_state(self, state):
         """Back to ``state`` (from :meth:`serial_state`), in the master only."""
@@ -124,7 +128,7 @@ class Training:
             v.set_value(val, borrow=True)
 
     def params_now(self):
-        return [np.array(p.get_value(), copy=True) for p in self.model.params]
+        return values(self.model.params)
 
     def feed_ranks(self, lengths):
         """The data-parallel step, ``synk_step(sel)`` (``sel``: a step of

@@ -74,7 +74,8 @@ def assert_clean():
 FUNCTIONAL_MODULES = ("test_function_outputs", "test_collectives", "test_batching", "test_intro_example",
                       "test_shared_example", "test_updates", "test_data", "test_exchange", "test_ops",
                       "test_checkpoint", "test_sharded_updates", "test_sharded_faults", "test_random_streams",
-                      "test_elastic", "test_one_rank", "test_close_memory")
+                      "test_elastic", "test_one_rank", "test_close_memory", "test_eager_all_reduce",
+                      "test_serial_turns")
 # tests of those modules that start their own mpiexec job or demo (their sessions run CPU
 # ranks) or fork JAX ranks themselves: not run again
 NOT_FUNCTIONAL = ("across_hosts", "on_jax_ranks", "demo_resumes")

@@ -14,8 +14,8 @@ import pytest
 import synkhronos as synk
 import synk_testutil as tu
 from synkhronos.extensions import train, updates
-from test_updates import RTOL, ATOL, RULES, STEPS, NumpyRule, build_model, check_params, \
-    check_serial_turns, init_params, make_data, np_loss_grads
+from test_updates import RTOL, ATOL, RULES, STEPS, NumpyRule, build_model, check_params, init_params, \
+    make_data, np_loss_grads
 
 BATCH = 12                      # equal shards at 1..4 ranks: the average is the batch's gradient
 N_PARAMS = sum(p.size for p in init_params())
@@ -42,7 +42,6 @@ def session(request):
     tu.fork(request.param)
     try:
         steps = build_steps(RULES)
-        steps["adam_turns"] = build_steps(["adam"], "_turns")["adam"]
         synk.distribute()
         yield request.param, steps
     finally:
@@ -95,12 +94,6 @@ def test_snapshot_restore_and_serial(session):
     step.restore(snap)
     serial = float(step.serial(X, Y))      # plain PyTensor in the master, own whole state
     assert serial == pytest.approx(first, rel=1e-5)
-
-
-def test_serial_turns(session):
-    """The serial reference's own copy of the rule's state is what ``serial_snapshot``
-    keeps aside: turns with the sharded step leave both runs as if alone."""
-    check_serial_turns(session[1]["adam_turns"])
 
 
 def test_refused_before_any_rank_runs(session):

@@ -179,8 +179,6 @@ def session():
         # extra sessions: serial path only; index batch + slices; snapshot/restore
         loss, params = build_model(x, y, "serial")
         steps["serial"] = train.make_train_function(loss, params, [x, y], updates.adam)
-        loss, params = build_model(x, y, "turns")
-        steps["turns"] = train.make_train_function(loss, params, [x, y], updates.adam)
         loss, params = build_model(x, y, "uneven")
         steps["uneven"] = train.make_train_function(loss, params, [x, y], updates.adam)
         loss, params = build_model(x, y, "sliced")
@@ -240,36 +238,6 @@ def test_serial_path_matches_reference(session):
         ref = rule.step(ref, grads)
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
         check_params(step, ref, all_ranks=False)
-
-
-def check_serial_turns(step, steps=3):
-    """Data-parallel steps and two serial runs (``step.serial``) taken in turns, as the
-    demos do, each serial run's values kept aside with ``serial_snapshot`` and
-    ``serial_restore`` (master only): each run follows the numpy reference as if it ran
-    alone, and the ranks end equal."""
-    X, Y = make_data(BATCH, seed=5)
-    ref = [p.astype(np.float64) for p in init_params()]
-    rule = NumpyRule("adam")
-    aside = [step.serial_snapshot()] * 2           # the serial runs' start: the same values
-    for k in range(steps):
-        ref_loss, grads = np_loss_grads(ref, X, Y)
-        ref = rule.step(ref, grads)
-        np.testing.assert_allclose(step(X, Y), ref_loss, rtol=1e-5, err_msg=f"data-parallel step {k}")
-        keep = step.serial_snapshot()
-        for run in range(2):
-            step.serial_restore(aside[run])
-            np.testing.assert_allclose(step.serial(X, Y), ref_loss, rtol=1e-5,
-                                       err_msg=f"serial run {run}, step {k}")
-            check_params(step, ref, all_ranks=False)   # that run's parameters, in the master
-            aside[run] = step.serial_snapshot()
-        step.serial_restore(keep)
-        check_params(step, ref)                        # the data-parallel run's, on every rank
-    with pytest.raises(ValueError, match="serial_restore needs"):
-        step.serial_restore(aside[0][:-1])
-
-
-def test_serial_turns(session):
-    check_serial_turns(session["turns"])
 
 
 def test_index_batch_with_slices_and_restore(session):

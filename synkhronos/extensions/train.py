@@ -81,6 +81,20 @@ def _as_var_list(v):
     return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
+def _master_values(variables):
+    """Copies of the master's values of ``variables``."""
+    return [np.array(v.get_value(borrow=True), copy=True) for v in variables]
+
+
+def _set_master_values(variables, values, what):
+    """The master's ``variables`` set to copies of ``values``, one each (``what``: the
+    method, for the error)."""
+    if len(values) != len(variables):
+        raise ValueError(f"{what} needs {len(variables)} values, got {len(values)}")
+    for v, val in zip(variables, values):
+        v.set_value(np.array(val, copy=True))
+
+
 def legacy_data_names(fn, inputs, data, named):
     """The original step was ``train_minibatch(x_data, y_data, batch=None)``: accept those
     two keywords for a step with two inputs (unless an input has such a name)."""
@@ -168,22 +182,18 @@ class TrainFunction:
 
     def snapshot(self):
         """Copies of the master's values of ``state_vars`` (for ``restore``)."""
-        return [np.array(v.get_value(borrow=True), copy=True) for v in self.state_vars]
+        return _master_values(self.state_vars)
 
     def serial_snapshot(self):
         """Copies of the values ``serial`` reads and writes, in the master only (no
         collective): to keep several serial references and take turns between them (with
         ``serial_restore``) without touching the ranks."""
-        return [np.array(v.get_value(borrow=True), copy=True) for v in self._serial_vars()]
+        return _master_values(self._serial_vars())
 
     def serial_restore(self, values):
         """Set the values ``serial`` reads and writes (from ``serial_snapshot``), in the
         master only."""
-        held = self._serial_vars()
-        if len(values) != len(held):
-            raise ValueError(f"serial_restore needs {len(held)} values, got {len(values)}")
-        for v, val in zip(held, values):
-            v.set_value(np.array(val, copy=True))
+        _set_master_values(self._serial_vars(), values, "serial_restore")
 
     def _serial_vars(self):
         """The shared variables ``serial`` reads and writes: here, ``state_vars``."""
@@ -192,10 +202,7 @@ class TrainFunction:
     def restore(self, values):
         """Set ``state_vars`` to ``values`` (from ``snapshot``): in the master, and on every
         rank (``synk.broadcast``) once the functions are distributed."""
-        if len(values) != len(self.state_vars):
-            raise ValueError(f"restore needs {len(self.state_vars)} values, got {len(values)}")
-        for v, val in zip(self.state_vars, values):
-            v.set_value(np.array(val, copy=True))
+        _set_master_values(self.state_vars, values, "restore")
         try:
             synk.broadcast(self.state_vars)
         except synk.SynkError:
