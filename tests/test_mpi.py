@@ -388,7 +388,7 @@ def test_hosts_checkpoint_and_timeline(hosts, tmp_path):
     import numpy as np
 
     import synkhronos as synk
-    from _mpi_scripts import ckpt_model, ckpt_noise
+    from _mpi_faults import ckpt_model, ckpt_noise
     ck, trace = str(tmp_path / "ck.npz"), str(tmp_path / "trace.json")
     tu.fork(2)
     try:
@@ -439,7 +439,7 @@ def test_hosts_elastic_whole_host_lost(hosts, tmp_path):
     import numpy as np
 
     import synkhronos as synk
-    from _mpi_scripts import ckpt_model
+    from _mpi_faults import ckpt_model
     ck = str(tmp_path / "elastic.npz")
     out = str(tmp_path / "progress.jsonl")
     cmd = hosts.mpiexec_cmd(2, 1, [sys.executable, SCRIPT, "elastic", ck, "12", "0.3"], extra=("-prepend-rank",),
