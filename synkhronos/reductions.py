@@ -38,6 +38,15 @@ def accumulator(op, dtype):
     return acc
 
 
+def narrow_into(dst, src):
+    """``src`` (an accumulator, ``accumulator``'s dtype) written into ``dst`` of the value's
+    own narrower dtype: a float16 sum beyond 65504 becomes +-inf, as numpy's float16
+    arithmetic makes it, without the cast's overflow warning (which a rank would print
+    where the user cannot act on it; the inputs' own inf and nan pass as they are)."""
+    with np.errstate(over="ignore"):
+        np.copyto(dst, src, casting="unsafe")
+
+
 def _accumulator(op, dtype):
     dtype = np.dtype(dtype)
     if op == "avg" and dtype.kind in "biu":
@@ -85,7 +94,11 @@ def combine(mode, parts, weights=None):
             fn(acc, p, out=acc, casting="unsafe")
         total = len(parts)
     acc = np.asarray(finish(mode, np.asarray(acc), total, first.dtype))
-    return acc if acc.dtype == first.dtype else acc.astype(first.dtype)
+    if acc.dtype == first.dtype:
+        return acc
+    out = np.empty(acc.shape, first.dtype)
+    narrow_into(out, acc)
+    return out
 
 
 def _combine_scalars(mode, parts, weights, acc, dtype):

@@ -1,7 +1,12 @@
 """All-reduces on both sides of the one-meeting limit (128 KB a rank, divided by n - 1):
 below it a value takes one meeting, above it the shared-memory slots.  Whichever way, the
 same numbers, element for element, and numpy's: float16 up to its largest finite value
-(sums beyond it are inf, as in numpy), int32 averages, one element, none."""
+(sums beyond it are inf, as in numpy, and no rank prints a warning about it), int32
+averages, one element, none."""
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytensor
 import pytensor.tensor as T
@@ -88,3 +93,44 @@ def test_same_numbers_on_both_sides_of_the_limit(S, dtype, op):
         close(got[size], reference(op, parts, dtype), parts, op, f"{size} elements")
     for size in sizes:           # the same numbers whichever way the value went
         np.testing.assert_array_equal(got[size], got[sizes[-1]][:size], err_msg=f"{size} elements")
+
+
+_OVERFLOW = """
+import json, os, numpy as np, pytensor, pytensor.tensor as T, synkhronos as synk
+mode = os.environ.get("SYNK_MODE") or None
+synk.fork(2, mode=mode)
+sizes = (8, 100_000)                       # one meeting; the slots (200 KB)
+vs = [pytensor.shared(np.zeros(s, np.float16), name=f"v{s}") for s in sizes]
+x = T.matrix("x", dtype="float16")
+g = synk.function([x], (x.sum(axis=0), "sum"))   # each rank 40000: summed in the master
+synk.function([], [v.sum() for v in vs])
+synk.distribute()
+out = {}
+for s, v in zip(sizes, vs):
+    for op in ("sum", "avg"):
+        for r in range(2):
+            synk.set_value(r, v, np.full(s, 40000, np.float16))
+        synk.all_reduce(v, op=op)
+        out[f"{s} {op}"] = [np.unique(synk.get_value(r, v)).tolist() for r in range(2)]
+if mode == "JAX":                          # (numba graphs take no float16)
+    out["output"] = np.unique(g(np.full((2, 5), 40000, np.float16))).tolist()
+synk.close()
+print("RESULT", json.dumps(out))
+"""
+
+
+def test_float16_overflow_is_inf_without_a_warning():
+    """40000 + 40000 in float16 is inf (numpy's float16 add gives the same), the average
+    40000, on one meeting and on the slots, on every rank and (JAX ranks: numba graphs take
+    no float16) in an output summed in the master; nothing printed by any process (the
+    ranks' warnings reach the master's stderr, where a user cannot act on them)."""
+    p = subprocess.run([sys.executable, "-c", _OVERFLOW], env=tu.program_env(), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT"))
+    inf = float("inf")
+    want = {f"{s} {op}": [[v], [v]] for s in (8, 100_000) for op, v in (("sum", inf), ("avg", 40000.0))}
+    if tu.BACKEND == "JAX":
+        want["output"] = [inf]
+    assert json.loads(line[len("RESULT "):]) == want
+    assert "Warning" not in p.stderr, p.stderr[-3000:]

@@ -127,5 +127,6 @@ def reduce_into(op, srcs, dsts, a, b, scale=None):
         acc += x[a:b]
     if op == "avg":
         acc *= np.float32(1.0 / len(srcs) if scale is None else scale)
-    for d in dsts:
-        np.copyto(d[a:b], acc, casting="unsafe")
+    with np.errstate(over="ignore"):     # (sums beyond 65504: inf, as numpy's float16 adds)
+        for d in dsts:
+            np.copyto(d[a:b], acc, casting="unsafe")

@@ -274,12 +274,12 @@ class HierComm:
             if out is not None:
                 dst = out.reshape(-1)   # (the host buffer is every rank's input: read only)
                 if op != "avg":
-                    np.copyto(dst, hbuf, casting="unsafe")
+                    red.narrow_into(dst, hbuf)
                 elif flat.dtype.kind in "fc":   # red.finish's scaling, straight into the result
-                    np.multiply(hbuf, hbuf.dtype.type(1.0 / self.n), out=dst, casting="unsafe")
+                    with np.errstate(over="ignore"):
+                        np.multiply(hbuf, hbuf.dtype.type(1.0 / self.n), out=dst, casting="unsafe")
                 else:
-                    np.copyto(dst, red.finish(op, np.array(hbuf, copy=True), self.n, flat.dtype),
-                              casting="unsafe")
+                    red.narrow_into(dst, red.finish(op, np.array(hbuf, copy=True), self.n, flat.dtype))
                 if in_place:
                     self.slots.lend(key, tentative)
         self.ctl.host_barrier()          # nobody reads the host buffers or slots any more

@@ -114,4 +114,4 @@ def reduce_chunk(op, srcs, dsts, a, b, dtype):
             fn(t, x[s:e], out=t, casting="unsafe")
         red.finish(op, t, n, dtype)
         for d in dsts:
-            np.copyto(d[s:e], t, casting="unsafe")
+            red.narrow_into(d[s:e], t)
