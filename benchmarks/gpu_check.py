@@ -490,12 +490,14 @@ def main():
         print(f"CPU mode ({why}): PyTensor's JAX backend on CPU ranks; GPU figures need a GPU machine")
     max_mb = a.max_mb or (1024 if plat == "gpu" else 256)
     results = {"platform": plat, "gpus": visible, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-    if a.what in ("all", "overhead"):
-        results["overhead"] = run_overhead(plat, a.quick)
-    if a.what in ("all", "allreduce"):
-        results["allreduce"] = run_allreduce(plat, n_gpus, a.quick, max_mb)
-    if a.what in ("all", "demos"):
-        results["demos"] = run_demos(plat, a.quick)
+    name = f"gpu_check_{plat}{'_profile' if a.what == 'profile' else ''}.json"
+    parts = {"overhead": lambda: run_overhead(plat, a.quick),
+             "allreduce": lambda: run_allreduce(plat, n_gpus, a.quick, max_mb),
+             "demos": lambda: run_demos(plat, a.quick)}
+    for part, run in parts.items():
+        if a.what in ("all", part):
+            results[part] = run()
+            write_results(results, name)     # (each part as it ends: a run stopped later keeps it)
     if a.what == "profile":
         results["profile"] = run_profile(plat, a.quick)
     if GOALS:
@@ -504,7 +506,7 @@ def main():
         for figure, measured, target, met in GOALS:
             print(f"  {figure:<{w}}  {measured:>10}  goal {target:<10} {'OK' if met else 'BELOW GOAL'}")
         results["goals"] = [dict(zip(("figure", "measured", "goal", "met"), g)) for g in GOALS]
-    path = write_results(results, f"gpu_check_{plat}{'_profile' if a.what == 'profile' else ''}.json")
+    path = write_results(results, name)
     print(f"\nresults: {os.path.relpath(path, ROOT)}")
     failed = [k for k, v in results.items() if isinstance(v, dict) and "error" in v]
     return 1 if failed else 0

@@ -3,7 +3,7 @@
 # through NCCL) on a machine with a GPU; without one it runs in CPU mode and says so.
 #
 #   benchmarks/gpu_check.sh [--quick] [--max-mb N] [--no-tests] [--no-jax-suite] [--no-measure]
-#                            [--demos] [--gpu-demos] [--profile]
+#                            [--demos] [--gpu-demos] [--profile] [--budget SECONDS] [--out DIR]
 #
 # 1. the backend's tests: the GPU tests (tests/test_jax_gpu.py, skipped without a GPU), the
 #    JAX device and XLA-collective tests on CPU ranks, and the functional suite with
@@ -21,6 +21,12 @@
 # --no-jax-suite leaves out the tests on JAX CPU ranks (CI runs them) but the GPU selection's;
 # --no-measure leaves out step 2.
 #
+# Order: the measurements first (the goals table), then the tests, the demos, the profile and
+# the --gpu-demos workloads.  --budget SECONDS: a stage starts only while time is left for it
+# and is stopped when the budget runs out (for a lent machine whose time is short: what did
+# not run is listed at the end); --out DIR: the results and logs of this run are copied to DIR
+# after every stage, so that a run stopped from outside still leaves what it measured.
+#
 # Python: $PYTHON, else .venv/bin/python (scripts/setup.sh test demos jax [gpu]), else python3.
 # It needs synkhronos' dependencies (pytensor, numpy, posix_ipc, threadpoolctl, tqdm), jax
 # (with its CUDA plugin on a GPU machine: the 'gpu' extra, or jax-cuda13-plugin), pytest,
@@ -37,9 +43,17 @@ measure=1
 run_demos=0
 gpu_demos=0
 run_profile=0
+budget=0
+out_dir=""
 args=()
-for a in "$@"; do
+while [[ $# -gt 0 ]]; do
+    a="$1"
+    shift
     case "$a" in
+        --budget|--out)
+            if [[ $# -eq 0 ]]; then echo "gpu_check: $a needs a value" >&2; exit 2; fi
+            if [[ "$a" == --budget ]]; then budget="$1"; else out_dir="$1"; fi
+            shift ;;
         --no-tests) run_tests=0 ;;
         --no-jax-suite) jax_suite=0 ;;
         --no-measure) measure=0 ;;
@@ -49,6 +63,10 @@ for a in "$@"; do
         *) args+=("$a") ;;
     esac
 done
+if ! [[ "$budget" =~ ^[0-9]+$ ]]; then
+    echo "gpu_check: --budget takes whole seconds, got '$budget'" >&2
+    exit 2
+fi
 
 if [[ -n "${PYTHON:-}" ]]; then PY="$PYTHON"
 elif [[ -x .venv/bin/python ]]; then PY=.venv/bin/python
@@ -90,56 +108,96 @@ LOG="benchmarks/results/gpu_check_${plat}.log"
 
 SYNK_PREFIX_LOG="$(mktemp -t synk-gpucheck-prefixes.XXXXXXXX)"
 export SYNK_PREFIX_LOG
-trap 'rm -f "$SYNK_PREFIX_LOG"' EXIT
+STARTED="$(mktemp -t synk-gpucheck-start.XXXXXXXX)"     # (what this run wrote is newer)
+trap 'rm -f "$SYNK_PREFIX_LOG" "$STARTED"' EXIT
 
 rc=0
-if [[ $run_tests -eq 1 ]]; then
+T_START=$SECONDS
+skipped=()
+if [[ -n "$out_dir" ]]; then
+    mkdir -p "$out_dir" || { echo "gpu_check: cannot make $out_dir" >&2; exit 2; }
+fi
+
+# Seconds left of --budget (a large number without one).
+left() {
+    if [[ $budget -eq 0 ]]; then echo 1000000; else echo $((budget - (SECONDS - T_START))); fi
+}
+
+# The results and logs of this run into --out (after every stage).
+save() {
+    [[ -z "$out_dir" ]] && return 0
+    local f
+    for f in benchmarks/results/gpu_check_"${plat}"*; do
+        [[ -f "$f" && "$f" -nt "$STARTED" ]] && cp -p "$f" "$out_dir/"
+    done
+    return 0
+}
+
+# stage NAME SECONDS FUNCTION: run FUNCTION when at least SECONDS of the budget are left,
+# stopped (TERM, then KILL) when the budget runs out; else note it as skipped.
+stage() {
+    local name="$1" need="$2" fn="$3" t0=$SECONDS remaining
+    remaining="$(left)"
+    if [[ $remaining -lt $need ]]; then
+        skipped+=("$name (needs ~${need} s, ${remaining} s left)")
+        echo "== $name: skipped, ${remaining} s of the budget left (needs ~${need} s)" | tee -a "$LOG"
+        return 0
+    fi
+    if [[ $budget -eq 0 ]]; then
+        "$fn" || rc=1
+    else
+        export -f "$fn"
+        timeout -k 10 "$remaining" bash -o pipefail -c "$fn" || { local c=$?; rc=1
+            [[ $c -eq 124 || $c -eq 137 ]] && echo "== $name: stopped, the budget ran out" | tee -a "$LOG"; }
+    fi
+    echo "   ($name: $((SECONDS - t0)) s)" | tee -a "$LOG"
+    save
+}
+
+do_measure() {
+    echo "== measurements" | tee -a "$LOG"
+    # shellcheck disable=SC2086
+    "$PY" benchmarks/gpu_check.py all $CHECK_ARGS 2>&1 | tee -a "$LOG"
+}
+
+do_tests() {
+    local bad=0 start
     echo "== tests: GPU ranks" | tee -a "$LOG"
-    "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_jax_gpu.py 2>&1 | tee -a "$LOG" || rc=1
+    "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_jax_gpu.py 2>&1 | tee -a "$LOG" || bad=1
     if [[ $jax_suite -eq 1 ]]; then
         echo "== tests: JAX device and XLA collectives on CPU ranks" | tee -a "$LOG"
         CUDA_VISIBLE_DEVICES= "$PY" -m pytest -q -p no:cacheprovider tests/test_jax_backend.py \
-            tests/test_jax_xla_comm.py tests/test_gpu_selection.py 2>&1 | tee -a "$LOG" || rc=1
+            tests/test_jax_xla_comm.py tests/test_gpu_selection.py 2>&1 | tee -a "$LOG" || bad=1
         echo "== tests: functional suite with SYNK_MODE=JAX (CPU ranks)" | tee -a "$LOG"
         start=$SECONDS
         CUDA_VISIBLE_DEVICES= SYNK_MODE=JAX "$PY" -m pytest -q -p no:cacheprovider -m "functional and not slow" \
-            2>&1 | tail -n 15 | tee -a "$LOG" || rc=1
+            2>&1 | tail -n 15 | tee -a "$LOG" || bad=1
         echo "   ($((SECONDS - start)) s)" | tee -a "$LOG"
     else
         echo "== tests: GPU selection" | tee -a "$LOG"
-        "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_selection.py 2>&1 | tail -n 3 | tee -a "$LOG" || rc=1
+        "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_selection.py 2>&1 | tail -n 3 | tee -a "$LOG" || bad=1
     fi
-fi
+    return $bad
+}
 
-if [[ $measure -eq 1 ]]; then
-    echo "== measurements" | tee -a "$LOG"
-    "$PY" benchmarks/gpu_check.py all "${args[@]}" 2>&1 | tee -a "$LOG" || rc=1
-fi
-
-if [[ $run_profile -eq 1 ]]; then
-    "$PY" benchmarks/gpu_check.py profile "${args[@]}" 2>&1 | tee -a "$LOG" || rc=1
+do_profile() {
+    local bad=0
+    # shellcheck disable=SC2086
+    "$PY" benchmarks/gpu_check.py profile $CHECK_ARGS 2>&1 | tee -a "$LOG" || bad=1
     echo "== reading a failed computation: raises or hangs? (why a call waits before it reads)" | tee -a "$LOG"
     timeout 120 "$PY" benchmarks/jax_failed_read.py 2>&1 | grep -v '^[IWE]0000' | tee -a "$LOG"
-fi
+    return $bad
+}
 
-demos=()
-if [[ $run_demos -eq 1 ]]; then
-    demos+=("mnist_mlp.py --no-progress" "mnist_cnn.py --no-progress" "resnet.py --no-progress" "partial_fc.py"
-            "exchange_strategies.py --plot benchmarks/results/gpu_check_${plat}_exchange.png")
-fi
-if [[ $gpu_demos -eq 1 ]]; then
-    demos+=("mnist_mlp.py --no-progress --gpu-size" "mnist_cnn.py --no-progress --gpu-size"
-            "resnet.py --no-progress --gpu-size" "resnet.py --no-progress --resnet50 --epochs 1 --max-steps 5")
-fi
-if [[ ${#demos[@]} -gt 0 ]]; then
-    echo "== demos" | tee -a "$LOG"
-    DEMO_LOG="benchmarks/results/gpu_check_${plat}_demos.log"
-    : > "$DEMO_LOG"
-    for demo in "${demos[@]}"; do
+# run_demos DEMO...: each bundled demo with its arguments; RESULT line, warnings, time.
+run_demos() {
+    local demo start out code result warned bad=0 limit
+    for demo in "$@"; do
         start=$SECONDS
+        limit="${DEMO_TIMEOUT:-300}"
         echo "-- python demos/$demo" >> "$DEMO_LOG"
         # shellcheck disable=SC2086
-        out="$(timeout "${DEMO_TIMEOUT:-300}" "$PY" demos/$demo 2>&1)"
+        out="$(timeout "$limit" "$PY" demos/$demo 2>&1)"
         code=$?
         printf '%s\n' "$out" >> "$DEMO_LOG"
         result="$(printf '%s\n' "$out" | grep -m1 '^RESULT' || true)"
@@ -147,11 +205,41 @@ if [[ ${#demos[@]} -gt 0 ]]; then
             result="(no RESULT line; last: $(printf '%s\n' "$out" | grep -v '^\s*$' | tail -n 1))"
         fi
         warned="$(printf '%s\n' "$out" | grep -ci 'warning')"
-        [[ $code -eq 124 ]] && result="(timed out after ${DEMO_TIMEOUT:-300} s) $result"
-        [[ $code -ne 0 ]] && rc=1
+        [[ $code -eq 124 ]] && result="(timed out after $limit s) $result"
+        [[ $code -ne 0 ]] && bad=1
         printf 'demos/%s: exit %s, %s s, %s warning line(s)\n    %s\n' "$demo" "$code" "$((SECONDS - start))" \
             "$warned" "$result" | tee -a "$LOG"
     done
+    return $bad
+}
+
+do_demos() {
+    echo "== demos" | tee -a "$LOG"
+    run_demos "mnist_mlp.py --no-progress" "mnist_cnn.py --no-progress" "resnet.py --no-progress" "partial_fc.py" \
+        "exchange_strategies.py --plot benchmarks/results/gpu_check_${plat}_exchange.png"
+}
+
+do_gpu_demos() {
+    echo "== demos: --gpu-size workloads and ResNet-50" | tee -a "$LOG"
+    run_demos "mnist_mlp.py --no-progress --gpu-size" "mnist_cnn.py --no-progress --gpu-size" \
+        "resnet.py --no-progress --gpu-size" "resnet.py --no-progress --resnet50 --epochs 1 --max-steps 5"
+}
+
+DEMO_LOG="benchmarks/results/gpu_check_${plat}_demos.log"
+if [[ $run_demos -eq 1 || $gpu_demos -eq 1 ]]; then
+    : > "$DEMO_LOG"
+fi
+CHECK_ARGS="${args[*]:-}"       # (gpu_check.py's options: plain words)
+export PY LOG DEMO_LOG plat jax_suite CHECK_ARGS
+export -f run_demos
+# (the least time each stage needs to say something useful, measured on the H200: the
+# measurements ~100 s, the tests ~130 s, the five demos ~140 s)
+[[ $measure -eq 1 ]] && stage measurements 60 do_measure
+[[ $run_tests -eq 1 ]] && stage tests 60 do_tests
+[[ $run_demos -eq 1 ]] && stage demos 60 do_demos
+[[ $run_profile -eq 1 ]] && stage profile 30 do_profile
+[[ $gpu_demos -eq 1 ]] && stage gpu-demos 60 do_gpu_demos
+if [[ $run_demos -eq 1 || $gpu_demos -eq 1 ]]; then
     echo "   (each demo's whole output: $DEMO_LOG)" | tee -a "$LOG"
 fi
 
@@ -159,5 +247,10 @@ if ! "$PY" scripts/leakcheck.py "$SYNK_PREFIX_LOG" >/dev/null 2>&1; then
     echo "gpu_check: shared memory or processes were left behind" | tee -a "$LOG"
     rc=1
 fi
-echo "gpu_check: $mode; log: $LOG; exit $rc"
+if [[ ${#skipped[@]} -gt 0 ]]; then
+    echo "gpu_check: not run for lack of time (--budget $budget):" | tee -a "$LOG"
+    printf '    %s\n' "${skipped[@]}" | tee -a "$LOG"
+fi
+echo "gpu_check: $mode; $((SECONDS - T_START)) s; log: $LOG; exit $rc" | tee -a "$LOG"
+save
 exit $rc
