@@ -11,6 +11,8 @@ to nearest (half to even), dtype kept; float16 sums and averages accumulate in f
 stacked (``nd_up=1``) or concatenated (``nd_up=0``) when the shapes allow it, else a list
 of per-rank arrays.  One variable gives one result, a list or tuple of variables a tuple.
 ``nccl=`` is accepted everywhere for compatibility: the comm plane picks the fastest path."""
+import math
+
 import numpy as np
 
 from . import rankops, shards
@@ -98,7 +100,7 @@ def _scratch(session, kind, i, dtype, shape):
     buffer too."""
     cache = session.scratch
     dtype = np.dtype(dtype)
-    size = int(np.prod(shape))
+    size = int(math.prod(shape))
     d = cache.get((kind, i))
     if d is None or d.dtype != dtype:
         d = cache[(kind, i)] = Data(dtype, 1, name=f"coll_{kind}", _session=session, _scratch=True)

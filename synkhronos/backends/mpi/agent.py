@@ -4,6 +4,7 @@ data they read, barrier arrivals, votes, aborts, replies, lost ranks, requests f
 collectives and channel messages).  ``serve_host`` is its whole life: ``synk.fork()``
 never returns there."""
 import dataclasses
+import math
 import os
 import pickle
 import signal
@@ -264,7 +265,7 @@ class Agent:
         for ref, kind, where, idx_ref, nbytes, inline in heads:
             arr = self.mirror(ref, resized)
             if kind == "index":
-                part = np.empty((nbytes // max(1, arr.dtype.itemsize * int(np.prod(arr.shape[1:])) or 1),)
+                part = np.empty((nbytes // max(1, arr.dtype.itemsize * int(math.prod(arr.shape[1:])) or 1),)
                                 + arr.shape[1:], arr.dtype)
             else:
                 part = arr if kind == "all" else arr[where]
@@ -294,7 +295,7 @@ class Agent:
         dtype = np.dtype(dtype)
         if handle is None:               # no buffer (an empty array): the ranks make their own
             return np.empty(tuple(shape), dtype)
-        nbytes = max(64, int(np.prod(shape)) * dtype.itemsize)
+        nbytes = max(64, int(math.prod(shape)) * dtype.itemsize)
         seg = self.mirrors.get(handle)
         if seg is None or seg.size < nbytes:
             if seg is not None:

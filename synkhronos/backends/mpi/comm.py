@@ -1,6 +1,7 @@
 """The ``hier`` collectives of a session spanning several hosts: shared memory among the
 ranks of a host (the ``shm`` slots), one MPI collective between hosts on a host buffer
 (run by the host's MPI process), shared memory again to give every rank the result."""
+import math
 import time
 
 import numpy as np
@@ -228,7 +229,7 @@ class HierComm:
         kinds = []
         for key, flat, shape in staged:      # this host's buffers, before the hosts agree: as
             # large as the largest of the host's ranks (equal to every rank's once they agree)
-            count = max(int(np.prod(self.slots.shape(key, r))) for r in self.members)
+            count = max(int(math.prod(self.slots.shape(key, r))) for r in self.members)
             acc = None if half and flat.dtype == np.float16 else red.accumulator(op, flat.dtype)
             need = ((("r", np.float16, count), ("q", np.float16, len(self.host_sizes) * count)) if acc is None
                     else (("r", acc, count),))
@@ -319,7 +320,7 @@ class HierComm:
         plans = []
         for (key, _, dtype), shape in zip(items, shapes):
             dtype = np.dtype(dtype)
-            count = int(np.prod(shape))
+            count = int(math.prod(shape))
             hbuf, hname = self._host_buffer(key, "b", dtype, count)
             mine = (self.slots.view(key, self.slot, dtype) if self.grank == root else
                     self.slots.stage(key, dtype, tuple(shape), reuse_lent=True))
@@ -356,7 +357,7 @@ class HierComm:
         results = []
         for (key, arr), shapes in zip(items, every):
             dtype = np.asarray(arr).dtype
-            sizes = [int(np.prod(s)) for s in shapes]
+            sizes = [int(math.prod(s)) for s in shapes]
             host_counts, first = [], 0
             for k in self.host_sizes:
                 host_counts.append(sum(sizes[first:first + k]))

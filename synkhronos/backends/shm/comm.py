@@ -20,6 +20,8 @@ collective finds the value already in place; otherwise the value is first copied
 Every verb has a fallible phase (allocating, attaching, checking shapes) that ends in a
 vote; nothing is written before every rank voted yes, so a failure on one rank leaves
 every rank's values as they were."""
+import math
+
 import numpy as np
 
 from .chunks import chunk_bounds, row_blocks, reduce_chunk, small_reduce
@@ -330,7 +332,7 @@ class ShmComm:
             return [np.array(a, copy=True) for _, a in items]
         owns = []                        # every block but this rank's own into the slot
         for (key, arr), rows in zip(items, blocks):
-            per = int(np.prod(np.shape(arr)[1:]))
+            per = int(math.prod(np.shape(arr)[1:]))
             own = rows[self.rank] * per, rows[self.rank + 1] * per
             owns.append((own, self._stage(key, arr, own)[0]))
         self.sync.barrier(check_after=False)
