@@ -174,12 +174,15 @@ class Agent:
             if tag == CMD:
                 self.command(*obj)
                 self.hot_until = 0.0
+                os.sched_yield()               # the ranks it woke: this core first (ShmControl.hand_off)
             elif tag == GO:
                 host.release(obj)
                 self.hot_until = 0.0
+                os.sched_yield()               # (likewise)
             elif tag == DECIDE:
                 host.decide(*obj)
                 self.hot_until = 0.0
+                os.sched_yield()               # (likewise)
             elif tag == ABORT:
                 if obj >= ctl.seq:
                     host.sent_abort = obj
@@ -198,6 +201,14 @@ class Agent:
         if a is not None:
             host.sent_abort = a
             w.isend(a, 0, ABORT)
+            busy = True
+        # (the replies next: the master waits for them, and nothing below delays them)
+        if self.inflight is not None and all(ctl.get_field(m, REPLY_SEQ) == self.inflight for m in self.members):
+            seq = self.inflight
+            w.isend((seq, {self.grank(m): ctl.reply_of(m, seq).to_wire() for m in self.members}), 0, REPLY)
+            self.inflight = None
+            self.replied = seq
+            self.hot_until = time.perf_counter() + KEEP_HOT     # (the next command, often)
             busy = True
         tok = host.members_arrived()
         if tok > host.sent_arrive:
@@ -222,14 +233,7 @@ class Agent:
             token, op = self.mpi_op
             self.requests.answer(token, op.result)
             self.req_done, self.mpi_op = token, None
-            ctl.wake(self.members)
-            busy = True
-        if self.inflight is not None and all(ctl.get_field(m, REPLY_SEQ) == self.inflight for m in self.members):
-            seq = self.inflight
-            w.isend((seq, {self.grank(m): ctl.reply_of(m, seq).to_wire() for m in self.members}), 0, REPLY)
-            self.inflight = None
-            self.replied = seq
-            self.hot_until = time.perf_counter() + KEEP_HOT     # (the next command, often)
+            ctl.hand_off(self.members)
             busy = True
         if not self.lost_sent:
             try:

@@ -121,7 +121,7 @@ class HierComm:
                 self.requests.answer(token, op.result)
             else:
                 self.requests.write(token, req)
-                self.ctl.wake([self.ctl.lead])       # the host's MPI process may be asleep
+                self.ctl.hand_off([self.ctl.lead])   # the host's MPI process may be asleep
                 self.ctl.waiter.wait(lambda: self.requests.answered(token) or self.ctl.aborted(), self.ctl.sleep,
                                      owed=lambda: [], what="a collective between hosts")
                 if not self.requests.answered(token):
