@@ -31,11 +31,12 @@ import time
 
 import numpy as np
 
-from common import write_results
+from common import RESULTS, write_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 KB, MB = 1 << 10, 1 << 20
+OUT = os.environ.get("GPU_CHECK_RESULTS") or RESULTS     # (gpu_check.sh sets it: one folder for the run)
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -497,7 +498,7 @@ def main():
     for part, run in parts.items():
         if a.what in ("all", part):
             results[part] = run()
-            write_results(results, name)     # (each part as it ends: a run stopped later keeps it)
+            write_results(results, name, OUT)     # (each part as it ends: a run stopped later keeps it)
     if a.what == "profile":
         results["profile"] = run_profile(plat, a.quick)
     if GOALS:
@@ -506,7 +507,7 @@ def main():
         for figure, measured, target, met in GOALS:
             print(f"  {figure:<{w}}  {measured:>10}  goal {target:<10} {'OK' if met else 'BELOW GOAL'}")
         results["goals"] = [dict(zip(("figure", "measured", "goal", "met"), g)) for g in GOALS]
-    path = write_results(results, name)
+    path = write_results(results, name, OUT)
     print(f"\nresults: {os.path.relpath(path, ROOT)}")
     failed = [k for k, v in results.items() if isinstance(v, dict) and "error" in v]
     return 1 if failed else 0

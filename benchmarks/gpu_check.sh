@@ -12,7 +12,7 @@
 #    same device, all_reduce bus bandwidth 1 MB .. 1 GB (n=1; n=2 through NCCL with two GPUs,
 #    else n=2 on one GPU through the host), the CNN and ResNet demo models' step times.
 # Prints tables; results in benchmarks/results/gpu_check_<gpu|cpu>.json and
-# benchmarks/results/gpu_check_<gpu|cpu>.log.
+# benchmarks/results/gpu_check_<gpu|cpu>.log (another folder: GPU_CHECK_RESULTS=DIR).
 # 3. --demos: every bundled demo with its default arguments; --gpu-demos: the MLP, CNN and
 #    ResNet demos with --gpu-size, and ResNet-50 for a few steps; their RESULT lines, warnings
 #    and times (each demo's whole output in benchmarks/results/gpu_check_<gpu|cpu>_demos.log);
@@ -102,8 +102,10 @@ EOF
 echo "gpu_check: $mode (python: $PY)"
 plat=cpu
 [[ "$mode" == GPU* ]] && plat=gpu
-mkdir -p benchmarks/results
-LOG="benchmarks/results/gpu_check_${plat}.log"
+RESULTS="${GPU_CHECK_RESULTS:-benchmarks/results}"      # (where this run writes; gpu_check.py too)
+export GPU_CHECK_RESULTS="$RESULTS"
+mkdir -p "$RESULTS"
+LOG="$RESULTS/gpu_check_${plat}.log"
 : > "$LOG"
 
 SYNK_PREFIX_LOG="$(mktemp -t synk-gpucheck-prefixes.XXXXXXXX)"
@@ -127,7 +129,7 @@ left() {
 save() {
     [[ -z "$out_dir" ]] && return 0
     local f
-    for f in benchmarks/results/gpu_check_"${plat}"*; do
+    for f in "$RESULTS"/gpu_check_"${plat}"*; do
         [[ -f "$f" && "$f" -nt "$STARTED" ]] && cp -p "$f" "$out_dir/"
     done
     return 0
@@ -216,7 +218,7 @@ run_demos() {
 do_demos() {
     echo "== demos" | tee -a "$LOG"
     run_demos "mnist_mlp.py --no-progress" "mnist_cnn.py --no-progress" "resnet.py --no-progress" "partial_fc.py" \
-        "exchange_strategies.py --plot benchmarks/results/gpu_check_${plat}_exchange.png"
+        "exchange_strategies.py --plot $RESULTS/gpu_check_${plat}_exchange.png"
 }
 
 do_gpu_demos() {
@@ -225,7 +227,7 @@ do_gpu_demos() {
         "resnet.py --no-progress --gpu-size" "resnet.py --no-progress --resnet50 --epochs 1 --max-steps 5"
 }
 
-DEMO_LOG="benchmarks/results/gpu_check_${plat}_demos.log"
+DEMO_LOG="$RESULTS/gpu_check_${plat}_demos.log"
 if [[ $run_demos -eq 1 || $gpu_demos -eq 1 ]]; then
     : > "$DEMO_LOG"
 fi

@@ -31,6 +31,8 @@ import sys
 
 import numpy as np
 
+from ..reductions import narrow_into
+
 F16_MAX = 65504.0
 _JIT = "synkhronos.kernels.half_jit"
 _HAVE_NUMBA = importlib.util.find_spec("numba") is not None     # (numba comes with PyTensor)
@@ -127,6 +129,5 @@ def reduce_into(op, srcs, dsts, a, b, scale=None):
         acc += x[a:b]
     if op == "avg":
         acc *= np.float32(1.0 / len(srcs) if scale is None else scale)
-    with np.errstate(over="ignore"):     # (sums beyond 65504: inf, as numpy's float16 adds)
-        for d in dsts:
-            np.copyto(d[a:b], acc, casting="unsafe")
+    for d in dsts:
+        narrow_into(d[a:b], acc)         # (sums beyond 65504: inf, as numpy's float16 adds)

@@ -101,17 +101,18 @@ def reduce_chunk(op, srcs, dsts, a, b, dtype):
         return
     blk = max(1024, _TMP_BLOCK_BYTES // wide.itemsize)
     tmp = np.empty(min(blk, b - a), wide)
-    for s in range(a, b, blk):
-        e = min(b, s + blk)
-        t = tmp[:e - s]
-        if wide == dtype:
-            fn(srcs[0][s:e], srcs[1][s:e], out=t)
-            rest = srcs[2:]
-        else:
-            np.copyto(t, srcs[0][s:e], casting="unsafe")
-            rest = srcs[1:]
-        for x in rest:
-            fn(t, x[s:e], out=t, casting="unsafe")
-        red.finish(op, t, n, dtype)
-        for d in dsts:
-            red.narrow_into(d[s:e], t)
+    with np.errstate(over="ignore"):         # (red.narrow_into's silent cast, set once for every block)
+        for s in range(a, b, blk):
+            e = min(b, s + blk)
+            t = tmp[:e - s]
+            if wide == dtype:
+                fn(srcs[0][s:e], srcs[1][s:e], out=t)
+                rest = srcs[2:]
+            else:
+                np.copyto(t, srcs[0][s:e], casting="unsafe")
+                rest = srcs[1:]
+            for x in rest:
+                fn(t, x[s:e], out=t, casting="unsafe")
+            red.finish(op, t, n, dtype)
+            for d in dsts:
+                np.copyto(d[s:e], t, casting="unsafe")
