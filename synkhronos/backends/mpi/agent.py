@@ -18,7 +18,7 @@ from .hosts import worker_config
 from .hub import HostView
 from .requests import Pending, Requests, abandon
 from .world import (ABORT, ARRIVE_T, BYE, CMD, DECIDE, END, ENDED, EXIT, GO, IDLE_AFTER, KEEP_HOT, LOST, OP_HOT,
-                    POLL, POLL_IDLE, FLIGHT, READY, REPLY, RESYNC, START, VOTE_T, world)
+                    OP_TIGHT, POLL, POLL_IDLE, FLIGHT, READY, REPLY, RESYNC, START, VOTE_T, world)
 from ..host.device import usable_cores
 from ..host.launcher import SubprocessLauncher, worker_argv, worker_environment
 from ..registry import make_device
@@ -167,6 +167,7 @@ class Agent:
     def step(self):
         """One round of everything the agent watches; None once the session ended."""
         w, host, ctl = self.w, self.host, self.ctl
+        now = time.perf_counter()
         busy = self.relay.service(self.replied)     # channels first: a run opens before its command
         messages = w.poll()
         for i, (_src, tag, obj) in enumerate(messages):
@@ -229,7 +230,8 @@ class Agent:
                 self.mpi_op = (token, Pending(self.coll, w.MPI, r, self.buffers))
                 self.mpi_since = time.perf_counter()
                 busy = True
-        if self.mpi_op is not None and self.mpi_op[1].test():     # ...and answer once done
+        if self.mpi_op is not None and self.mpi_op[1].test_for(OP_TIGHT if now - self.mpi_since < OP_HOT else 0):
+            # ...and answer once done (tested without a break while it may be quick)
             token, op = self.mpi_op
             self.requests.answer(token, op.result)
             self.req_done, self.mpi_op = token, None

@@ -7,7 +7,7 @@ import time
 import numpy as np
 
 from .requests import Pending, Requests, abandon
-from .world import OP_HOT
+from .world import OP_HOT, OP_TIGHT
 from ..shm import segments as shm
 from ..shm.chunks import chunk_bounds, row_blocks
 from ..shm.control import step_token
@@ -91,11 +91,10 @@ class HierComm:
         if self.pos == 0:
             self.retire = True                       # until answered: see _host_buffer
             if self.w is not None:                   # the master: its host's MPI process
-                op = Pending(self.coll.comm, self.w.MPI, req, self.mpi_buffers)
-                done, aborted = [], []
+                op, done, aborted, hot = None, [], [], time.perf_counter() + OP_HOT
 
                 def ready():                         # (watching the other hosts meanwhile)
-                    if op.test():
+                    if op.test_for(OP_TIGHT if time.perf_counter() < hot else 0):
                         done.append(True)
                         return True
                     # a rank that failed before its host's MPI process joined (e.g. in the
@@ -109,14 +108,20 @@ class HierComm:
                         aborted.append(now)
                     return now - aborted[0] > ABORT_GRACE_S
                 try:
+                    # (an interrupt finds the operation started and known; once the hosts
+                    # agree and before its data moves, interrupts wait for the command's
+                    # end: every host then completes it, as after a vote)
+                    with signals.deferred():
+                        op = Pending(self.coll.comm, self.w.MPI, req, self.mpi_buffers, on_agreed=signals.hold)
                     self.ctl.waiter.wait(ready, self.ctl.sleep, owed=lambda: [],
                                          what="a collective between hosts", keep_hot=OP_HOT,
                                          hopeless=self._others_finished())
                     if not done:
                         raise Aborted("another rank failed during this collective")
                 except BaseException:
-                    abandon(op)
-                    self.coll.abandoned = True
+                    if op is not None:
+                        abandon(op)
+                        self.coll.abandoned = True
                     raise
                 self.requests.answer(token, op.result)
             else:
@@ -235,43 +240,53 @@ class HierComm:
                     else (("r", acc, count),))
             names = tuple(self._attach(key, *k) for k in need)        # (no view yet: see below)
             kinds.append((acc, need, names))
-        # every rank of every host is ready once the hosts' shapes are gathered: that exchange
-        # is the commit (no vote after it, one exchange between hosts less).  The wait for it
-        # stays interruptible (a slow rank elsewhere); from its end on the collective is
-        # finished before an interrupt lands, as after a vote (nothing is written before the
-        # data's exchange, which needs every host: an interrupt before it applies nothing)
-        every = self._all_shapes([(k, s) for k, _, s in staged])
-        signals.hold()
-        for (key, _, _), shapes in zip(staged, every):
-            if len(set(shapes)) > 1:    # (no view of a host buffer in this frame: the traceback
-                of = f" of {self.names[key]}" if key in self.names else ""     # keeps it)
-                raise ValueError(f"{what}{of} needs the same shape on every rank, got {shapes} (by rank)")
-        plans = []
+        # the hosts agree on the shapes in the request of the first exchange of data (one turn
+        # through the hosts' MPI processes less): a host whose own ranks differ gives no
+        # signature, and without one signature from every host no data is exchanged.  That
+        # agreement is the commit (no vote): nothing any rank can see is written before it
+        local = [[tuple(self.slots.shape(k, r)) for r in self.members] for k, _, _ in staged]
+        same = all(len(set(shapes)) == 1 for shapes in local)
+        agreement = [("agreed", tuple(shapes[0] for shapes in local) if same else None, local)]
+
+        def exchange(req):
+            if not agreement:
+                return self._mpi(req)
+            details, ran, result = self._mpi(agreement.pop() + (req,))
+            signals.hold()     # from here on the collective is finished before an interrupt lands
+            if ran:
+                return result
+            for i, (key, _, _) in enumerate(staged):
+                shapes = [s for host in details for s in host[i]]
+                if len(set(shapes)) > 1:
+                    of = f" of {self.names[key]}" if key in self.names else ""
+                    raise ValueError(f"{what}{of} needs the same shape on every rank, got {shapes} (by rank)")
+            raise ValueError(f"{what} needs the same shapes on every rank, got {details} (by host)")
+        fn = red.UFUNC[op]
+        outs = []
         for (key, flat, shape), (acc, need, names) in zip(staged, kinds):
             hbufs = tuple(self._host_view(key, kind, dtype, count) for kind, dtype, count in need)
             hbuf, hname = (hbufs, names) if acc is None else (hbufs[0], names[0])
-            srcs = [self.slots.view(key, r, flat.dtype).reshape(-1) for r in self.members]
+            # (a host whose ranks differ in shape adds nothing up: it only takes part in the agreement)
+            srcs = [self.slots.view(key, r, flat.dtype).reshape(-1) for r in self.members] if same else None
             out = None            # in place: the source itself (read before the MPI step, written after)
-            if root is None or self.grank == root:
+            if same and (root is None or self.grank == root):
                 out = (self.slots.view(key, self.slot, flat.dtype) if in_place else
                        self.slots.ensure(key, flat.dtype, shape, plane=RESULT))
-            plans.append((key, flat, shape, acc, hbuf, hname, srcs, out))
-        fn = red.UFUNC[op]
-        for key, flat, shape, acc, hbuf, hname, srcs, out in plans:
+            outs.append(out)
             if acc is None:
-                self._half_between_hosts(op, flat, hbuf, hname, srcs, out)
+                self._half_between_hosts(op, flat, hbuf, hname, srcs, out, exchange)
                 if out is not None and in_place:
                     self.slots.lend(key, tentative)
                 continue
             b = chunk_bounds(flat.size, self.k, flat.dtype.itemsize)
             a0, b0 = b[self.pos], b[self.pos + 1]
-            if b0 > a0:                  # this host's sum (max, …) of my chunk
+            if same and b0 > a0:         # this host's sum (max, …) of my chunk
                 part = hbuf[a0:b0]
                 np.copyto(part, srcs[0][a0:b0], casting="unsafe")
                 for s in srcs[1:]:
                     fn(part, s[a0:b0], out=part, casting="unsafe")
             self.ctl.host_barrier()
-            self._mpi(("allreduce", hname, acc.str, flat.size, "sum" if op == "avg" else op))
+            exchange(("allreduce", hname, acc.str, flat.size, "sum" if op == "avg" else op))
             if out is not None:
                 dst = out.reshape(-1)   # (the host buffer is every rank's input: read only)
                 if op != "avg":
@@ -284,21 +299,22 @@ class HierComm:
                 if in_place:
                     self.slots.lend(key, tentative)
         self.ctl.host_barrier()          # nobody reads the host buffers or slots any more
-        return [None if p[7] is None else p[7].reshape(p[2]) for p in plans]
+        return [None if out is None else out.reshape(shape) for out, (_, _, shape) in zip(outs, staged)]
 
-    def _half_between_hosts(self, op, flat, bufs, names, srcs, out):
+    def _half_between_hosts(self, op, flat, bufs, names, srcs, out, exchange):
         """float16 ``sum``/``avg`` across hosts, as float16 on the wire (half the bytes of the
         float32 all-reduce the other dtypes use): each host's partial sum of a chunk (float32,
         rounded once to float16), an MPI all-gather of the hosts' partials, then every rank
         sums them in float32 in host order (``synkhronos.kernels.half``).  With one rank per host the
-        result is the float32 path's; with several, each host's partial is rounded once more."""
+        result is the float32 path's; with several, each host's partial is rounded once more.
+        ``exchange`` runs the MPI request (the first of a collective carries the agreement)."""
         hbuf, obuf = bufs
         count, hosts = flat.size, len(self.host_sizes)
         b = chunk_bounds(count, self.k, flat.dtype.itemsize)
-        if b[self.pos + 1] > b[self.pos]:
+        if srcs is not None and b[self.pos + 1] > b[self.pos]:
             half.reduce_into("sum", srcs, [hbuf], b[self.pos], b[self.pos + 1])
         self.ctl.host_barrier()
-        self._mpi(("allgatherv", names[0], "<u2", [count] * hosts, names[1]))   # (MPI has no float16)
+        exchange(("allgatherv", names[0], "<u2", [count] * hosts, names[1]))   # (MPI has no float16)
         if out is not None:
             parts = [obuf[h * count:(h + 1) * count] for h in range(hosts)]
             half.reduce_into(op, parts, [out.reshape(-1)], 0, count, scale=1.0 / self.n)

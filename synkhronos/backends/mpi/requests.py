@@ -7,10 +7,13 @@ of the session, must reach a process that waits for one, and a process blocked i
 hears nothing.  Each session runs them on a communicator of its own, so that an
 operation a lost session left unfinished can never be matched with a later session's."""
 import pickle
+import time
+import zlib
 
 import numpy as np
 
 from ..shm import segments as shm
+from ... import signals
 
 
 class Requests:
@@ -65,6 +68,12 @@ class Requests:
 
 
 _BLOCK = 2048                   # bytes each host sends of an allgather's object in the first step
+_DISAGREE = 1 << 62             # the words of a host that gives no signature (see Pending)
+
+
+def _size(req):
+    """The number of elements of an operation as one host sees it (the hosts must agree)."""
+    return sum(req[3]) if req[0] == "allgatherv" else int(req[3])
 
 
 class Pending:
@@ -72,18 +81,39 @@ class Pending:
     process starts the same operations in the same order, on the session's own
     communicator); ``test()`` drives it and tells when it is done, ``result`` is then its
     answer (a list for ``allgather``, else None).  A caller that gives up on it (a lost
-    rank, the session's end) hands it to ``abandon``: MPI may still use its buffers."""
+    rank, the session's end) hands it to ``abandon``: MPI may still use its buffers.
 
-    def __init__(self, comm, MPI, req, buffers):
-        self.comm, self.MPI, self.kind = comm, MPI, req[0]
+    ``("agreed", signature, detail, request)`` first checks that every host gave the same
+    signature (not None) and the same size of ``request``: one all-reduce (max) of four
+    integers, a hash of the signature and the size, each with its negation.  If they agree
+    it runs ``request`` at once (a collective's shapes: the hosts agree and exchange the
+    data in one request, with no turn through the ranks in between; the size is compared as
+    such, so that no hash collision can start an MPI operation of unequal sizes), else it
+    gathers every host's ``detail`` (for the error message).  Its result is ``(details by
+    host or None, whether the request ran, the request's result)``, the same on every host."""
+
+    def __init__(self, comm, MPI, req, buffers, on_agreed=None):
+        self.comm, self.MPI = comm, MPI
+        self.on_agreed = on_agreed      # called as the hosts are found agreeing, before the data moves
         self.result = None
         self.keep = []                  # buffers MPI uses until the operation completes
         self.buffers, self.segments = buffers, []    # the host buffers it works on
+        self.then = None                # ("agreed"): the request run once the hosts agree
+        self.agreed = None              # ... and whether they did, once known
+        self.done = False
+        if req[0] == "agreed":
+            _, signature, self.detail, self.then = req
+            req = ("agree", signature, _size(self.then))
+        self._start(req)
 
-        def host_array(name, dtype, count):
-            seg = _host_segment(buffers, name)
-            self.segments.append(seg)
-            return seg.array(np.dtype(dtype), (count,))
+    def _host_array(self, name, dtype, count):
+        seg = _host_segment(self.buffers, name)
+        self.segments.append(seg)
+        return seg.array(np.dtype(dtype), (count,))
+
+    def _start(self, req):
+        comm, MPI = self.comm, self.MPI
+        self.kind = req[0]
         if self.kind == "allgather":    # Python objects: a block of each, then what did not fit
             data = pickle.dumps(req[1], protocol=5)
             block = np.zeros(_BLOCK, np.uint8)
@@ -96,23 +126,34 @@ class Pending:
             self.phase = 1
             return
         self.phase = 2
-        if self.kind == "allreduce":
+        if self.kind == "agree":
+            _, signature, size = req
+            if signature is None:       # (words no agreeing hosts reach: max(h) + max(-h) > 0)
+                words = [_DISAGREE] * 4
+            else:
+                b = pickle.dumps(signature, protocol=5)
+                h = (zlib.crc32(b) << 29) ^ zlib.adler32(b)
+                words = [h, -h, size, -size]
+            buf = np.array(words, np.int64)
+            self.req = comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+            self.keep = [buf]
+        elif self.kind == "allreduce":
             _, name, dtype, count, op = req
             op = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}[op]
-            buf = host_array(name, dtype, count)
+            buf = self._host_array(name, dtype, count)
             self.req = comm.Iallreduce(MPI.IN_PLACE, buf, op=op)
             self.keep = [buf]
         elif self.kind == "bcast":
             _, name, dtype, count, root = req          # (root: the index of the root's host)
-            buf = host_array(name, dtype, count)
+            buf = self._host_array(name, dtype, count)
             self.req = comm.Ibcast(buf, root=root)
             self.keep = [buf]
         elif self.kind == "allgatherv":
             _, name, dtype, counts, out_name = req
             me = comm.Get_rank()
-            out = host_array(out_name, dtype, max(1, sum(counts)))
+            out = self._host_array(out_name, dtype, max(1, sum(counts)))
             displ = [int(x) for x in np.concatenate([[0], np.cumsum(counts)[:-1]])]
-            buf = host_array(name, dtype, max(1, counts[me]))[:counts[me]]
+            buf = self._host_array(name, dtype, max(1, counts[me]))[:counts[me]]
             self.req = comm.Iallgatherv(buf, [out, (list(counts), displ)])
             self.keep = [buf, out]
         else:
@@ -120,6 +161,35 @@ class Pending:
 
     def test(self):
         """Whether the operation is complete (progresses it)."""
+        if self.done:
+            return True
+        if not self._step():
+            return False
+        if self.kind == "agree":        # ("agreed"): the hosts' words are here
+            words = self.keep[0]
+            with signals.deferred():    # (an interrupt finds the next operation started and known)
+                self.agreed = int(words[0]) + int(words[1]) == 0 and int(words[2]) + int(words[3]) == 0
+                if self.agreed and self.on_agreed is not None:
+                    self.on_agreed()
+                self._start(self.then if self.agreed else ("allgather", self.detail))
+            return self.test()
+        if self.agreed is not None:
+            self.result = (None, True, self.result) if self.agreed else (self.result, False, None)
+        self.done = True
+        return True
+
+    def test_for(self, seconds):
+        """``test()`` again and again, without a break, for up to ``seconds``: MPI moves an
+        operation's data only while it is tested, and a small one completes within a few
+        tests (a process that does a round of other work between tests makes each step of
+        it wait for that round).  Whether it is complete."""
+        end = time.perf_counter() + seconds
+        while not self.test():
+            if time.perf_counter() >= end:
+                return False
+        return True
+
+    def _step(self):
         if not self.req.Test():
             return False
         if self.phase == 1:             # every block is here: the objects, if they fitted
@@ -132,10 +202,12 @@ class Pending:
             self.displs = [int(x) for x in np.concatenate([[0], np.cumsum(rest)[:-1]])]
             self.recv = bytearray(max(1, sum(rest)))
             tail = self.data[_BLOCK - 8:]
-            self.keep += [tail, self.recv]
-            self.req = self.comm.Iallgatherv([tail, self.MPI.BYTE], [self.recv, (rest, self.displs), self.MPI.BYTE])
-            self.rest, self.phase = rest, 2
-            return self.test()
+            with signals.deferred():    # (likewise)
+                self.keep += [tail, self.recv]
+                self.req = self.comm.Iallgatherv([tail, self.MPI.BYTE], [self.recv, (rest, self.displs),
+                                                                         self.MPI.BYTE])
+                self.rest, self.phase = rest, 2
+            return self._step()
         if self.kind == "allgather":
             view, blocks = memoryview(self.recv), self.blocks.reshape(-1, _BLOCK)
             self.result = [pickle.loads(b[8:8 + min(n, _BLOCK - 8)].tobytes() + view[d:d + r])
