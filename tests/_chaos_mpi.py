@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _fault_scripts as fs  # noqa: E402
+import _fault_ops as fo  # noqa: E402
 from _fault_scripts import _emit  # noqa: E402
 
 FAULTS = ("kill", "stop", "raise", "ctrl-c")
@@ -65,10 +65,10 @@ def one_run(synk, rng, run, state):
     v = pytensor.shared(np.zeros(size // 4, np.float32), name="v")
     x = T.vector("x", dtype="float64")
     action = "raise" if fault == "raise" else "sleep"
-    f = synk.function([x], [(T.sum(fs.Fault(action, victim)(x)), "sum"), (T.sum(v), "sum")])
+    f = synk.function([x], [(T.sum(fo.Fault(action, victim)(x)), "sum"), (T.sum(v), "sum")])
     synk.distribute()
     op = "call" if fault == "raise" else OPS[rng.integers(len(OPS))]
-    data = fs.with_trigger(np.ones(8), victim, 4)              # the victim's shard holds the trigger
+    data = fo.with_trigger(np.ones(8), victim, 4)              # the victim's shard holds the trigger
     full = np.ones(size // 4 * 4, np.float32)
 
     def once():
@@ -196,7 +196,7 @@ def _as_promised(synk, fault, victim, host, err, seconds, v):
 def main(runs, seed):
     import synkhronos as synk
     faulthandler.enable()          # a crash (SIGSEGV, SIGBUS) prints every thread's stack
-    fs.quiet()
+    fo.quiet()
     rng = np.random.default_rng(seed)
     state = {}
     if int(os.environ.get("PMI_RANK", "0")) == 0:      # (the other MPI processes become agents)

@@ -25,11 +25,11 @@ def scenario_fault(n, what):
     if what == "fork_error":
         synk.fork(int(n))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import _fault_scripts as fs
-    fs.quiet()
+    import _fault_ops as fo
+    fo.quiet()
     info = _session(n)
     x = T.vector("x", dtype="float64")
-    f = synk.function([x], (T.sum(fs.Fault("sleep")(x)), "sum"))
+    f = synk.function([x], (T.sum(fo.Fault("sleep")(x)), "sum"))
     synk.distribute()
     assert f(np.arange(float(info.n))) == sum(range(info.n))
     if what == "raise":
@@ -39,7 +39,7 @@ def scenario_fault(n, what):
         time.sleep(120)
         return
     data = np.arange(float(info.n))
-    data[-1] = fs.TRIGGER                  # the victim's share sleeps: the call surely waits
+    data[-1] = fo.TRIGGER                  # the victim's share sleeps: the call surely waits
     res = {}
     _lose_rank(info.ranks[-1], what, 0.5, lambda: f(data), res)
     synk.close()
@@ -69,7 +69,7 @@ def scenario_close_lost(n, what="kill"):
 
 def _faulty_step(n, action, interrupt=None):
     """One step of a linear model (``w``) whose last rank's gradient, on a marked row,
-    does ``action`` (``fs.Fault``: "raise" or "sleep") before the step's all-reduce between
+    does ``action`` (``fo.Fault``: "raise" or "sleep") before the step's all-reduce between
     groups or hosts, after one good step; ``interrupt``: Ctrl-C in the master that many
     seconds in.  Returns what the marked step raised, how long it took, whether it left the
     parameters of every rank as they were, and whether the next good step is exact (every
@@ -79,17 +79,17 @@ def _faulty_step(n, action, interrupt=None):
     import synkhronos as synk
     from synkhronos.extensions import train, updates
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import _fault_scripts as fs
-    fs.quiet()
+    import _fault_ops as fo
+    fo.quiet()
     n = _session(n).n
     x = T.matrix("x", dtype="float64")
     w = pytensor.shared(np.ones(3), name="w")
-    loss = T.sum(fs.Fault(action, rank=n - 1)(x).dot(w))
+    loss = T.sum(fo.Fault(action, rank=n - 1)(x).dot(w))
     step = train.make_train_function(loss, [w], [x], update_rule=updates.sgd, learning_rate=0.01)
     synk.distribute()
     X = np.arange(6.0 * n).reshape(2 * n, 3) / (6.0 * n)
     marked = X.copy()
-    marked[-1, 0] = fs.TRIGGER              # in the last rank's rows
+    marked[-1, 0] = fo.TRIGGER              # in the last rank's rows
     step(X)
     w1 = np.stack(synk.gather(w, nd_up=1))
     if interrupt is not None:
@@ -105,7 +105,7 @@ def _faulty_step(n, action, interrupt=None):
     step(X)
     w2 = np.stack(synk.gather(w, nd_up=1))
     synk.close()
-    return dict(raised=raised, message=message, seconds=seconds, sleep_s=fs.SLEEP_S,
+    return dict(raised=raised, message=message, seconds=seconds, sleep_s=fo.SLEEP_S,
                 moved=bool(np.any(w1 != 1.0)), unchanged=bool(np.array_equal(after, w1)),
                 ranks_agree=bool(np.all(w1 == w1[0])),
                 next_step_right=bool(np.allclose(w2, 2 * w1 - 1.0, rtol=0, atol=1e-12)))
@@ -358,17 +358,17 @@ def scenario_root_lost(n, root, what):
     import synkhronos as synk
     from synkhronos import ops
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import _fault_scripts as fs
-    fs.quiet()
+    import _fault_ops as fo
+    fo.quiet()
     info = _session(n)
     root = int(root)
     x = T.vector("x", dtype="float64")
-    f = synk.function([x], (T.sum(ops.broadcast(fs.Fault("sleep")(x), root=root)), "sum"))
+    f = synk.function([x], (T.sum(ops.broadcast(fo.Fault("sleep")(x), root=root)), "sum"))
     synk.distribute()
     data = np.arange(float(2 * info.n))
     assert abs(f(data) - info.n * float(np.sum(data[2 * root:2 * root + 2]))) < 1e-9
     res = {}
-    _lose_rank(info.ranks[root], what, 0.5, lambda: f(fs.with_trigger(data, root, info.n)), res)
+    _lose_rank(info.ranks[root], what, 0.5, lambda: f(fo.with_trigger(data, root, info.n)), res)
     synk.close()
     _result(**res)
 

@@ -71,7 +71,8 @@ def assert_clean():
 # every session they fork then runs PyTensor's JAX backend on CPU ranks.  Tests that cannot
 # hold there are skipped under JAX, each with its reason.
 
-FUNCTIONAL_MODULES = ("test_function_outputs", "test_collectives", "test_batching", "test_intro_example",
+FUNCTIONAL_MODULES = ("test_function_outputs", "test_collectives", "test_batching", "test_batching_sliceable",
+                      "test_batching_bad_calls", "test_intro_example",
                       "test_shared_example", "test_updates", "test_data", "test_exchange", "test_ops",
                       "test_checkpoint", "test_sharded_updates", "test_sharded_faults", "test_random_streams",
                       "test_elastic", "test_one_rank", "test_close_memory", "test_eager_all_reduce",

@@ -1,5 +1,6 @@
 """Helpers shared by the synkhronos tests: the session's ranks and resources (through the
-public ``synk.session_info()``), /dev/shm entries, worker processes, signals, waiting."""
+public ``synk.session_info()``), /dev/shm entries, worker processes, signals, waiting, and
+figures printed on the terminal (``report``)."""
 import atexit
 import glob
 import os
@@ -286,3 +287,16 @@ def resident_shm(prefix, pid=None):
             elif inside and first == "Rss:":
                 total += int(line.split()[1]) * 1024
     return total
+
+
+# ---- the terminal -----------------------------------------------------------------------------
+
+def report(config, text):
+    """Print ``text`` on the terminal even while pytest captures output (the figures the
+    fault, soak and fuzz tests measure)."""
+    capman = config.pluginmanager.getplugin("capturemanager")
+    if capman is None:
+        print(text)
+        return
+    with capman.global_and_fixture_disabled():
+        print(text, flush=True)

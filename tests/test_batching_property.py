@@ -2,7 +2,7 @@
 
 Random lengths, selectors of every kind (int, slice, index lists/tuples/arrays of every
 integer dtype, per-rank batch_s), slice counts and n_parallel in 1..3.  One session per
-n_parallel (module-scoped fixture) with the four functions of ``test_batching``; every
+n_parallel (module-scoped fixture) with the four functions of ``batching_testutil``; every
 example reuses them (nothing is forked or compiled per example).  The expected values come
 from the same helpers as the deterministic tests: serial PyTensor (``as_theano``) on the
 selected rows for f1, numpy on each rank's rows for f2..f4.
@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 
 import synkhronos as synk
 import synk_testutil as tu  # conftest puts tests/ on sys.path
-from test_batching import (D, INT_DTYPES, build_session, check_f1, check_f2, check_f3, check_f4,
-                           ints, per_rank, scatter_S, sel_rows, selected_rows, set_f2_state,
-                           set_local_S, split)
+from batching_testutil import (D, INT_DTYPES, build_session, check_f1, check_f2, check_f3, check_f4,
+                               ints, per_rank, scatter_S, sel_rows, selected_rows, set_f2_state,
+                               set_local_S, split)
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

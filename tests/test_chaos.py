@@ -65,8 +65,7 @@ def _soak(hosts, runs, seed, request):
         runs_seen = [ln for ln in out.splitlines() if "SYNK-RUN" in ln or "chaos run" in ln]
         pytest.fail("a run hung:\n" + "\n".join(runs_seen[-3:]) + "\n" + out[out.find("synkhronos: stall"):][:12000])
     assert p.returncode == 0 and res is not None, out[-6000:]
-    from _fault_scripts import report
-    report(request.config, _table(res))
+    tu.report(request.config, _table(res))
     assert res["faults"] == runs and not res["wrong"], res["wrong"]
     assert res["slowest"] <= 5.0
     assert_hosts_clean(hosts)

@@ -15,10 +15,10 @@ import pytest
 from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 
-import _fault_scripts as fs
+import _fault_ops as fo
 import synk_testutil as tu
 import synkhronos as synk
-from test_faults import run_script
+from fault_testutil import run_script
 
 
 class EnvProbe(Op):
@@ -50,7 +50,7 @@ def _started(n=3):
 
 @pytest.fixture(autouse=True)
 def _quiet_and_closed():
-    fs.quiet()
+    fo.quiet()
     yield
     synk.close()
 

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import synkhronos as synk
-import _fault_scripts as fs
+import synk_testutil as tu
 from synkhronos.shards import split
 
 STATS = {"examples": 0, "graphs": 0, "calls": 0, "compared": 0, "collectives": 0,
@@ -41,7 +41,7 @@ NEEDS_ROWS = {"max", "min"}          # serial PyTensor raises on an empty batch 
 def _print_stats(request):
     yield
     if STATS["examples"]:
-        fs.report(request.config, f"\nfuzz: {STATS['examples']} examples (sessions by n_parallel "
+        tu.report(request.config, f"\nfuzz: {STATS['examples']} examples (sessions by n_parallel "
                   f"{STATS['by_n']}), {STATS['graphs']} graphs, {STATS['calls']} calls, "
                   f"{STATS['compared']} outputs compared with serial PyTensor, "
                   f"{STATS['collectives']} collectives compared with numpy")

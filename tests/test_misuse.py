@@ -37,9 +37,9 @@ from pytensor.graph.op import Op
 
 import synkhronos as synk
 import synk_testutil as tu
-import _fault_scripts as fs
+import _fault_ops as fo
 
-fs.quiet()
+fo.quiet()
 pytestmark = pytest.mark.filterwarnings("ignore:Numba will use object mode")
 
 N = 3
@@ -63,7 +63,7 @@ def S():
                                 (T.mean(x), "avg"), (T.prod(x), "prod"), (x.sum(axis=1), "gather")],
                           bcast_inputs=[y])
         v = T.vector("v", dtype="float64")
-        ff = synk.function([v], [(T.sum(fs.Fault("fork", 1)(v)), "sum"), (T.sum(w) + T.sum(u), None)])
+        ff = synk.function([v], [(T.sum(fo.Fault("fork", 1)(v)), "sum"), (T.sum(w) + T.sum(u), None)])
         synk.distribute()
         yield types.SimpleNamespace(f=f, ff=ff, w=w, u=u)
     finally:
@@ -219,7 +219,7 @@ class TestInSession:
     # ---- fork inside a worker ----------------------------------------------------------------
 
     def test_fork_inside_a_worker(self, S):
-        v = fs.with_trigger(np.ones(9), 1, N)
+        v = fo.with_trigger(np.ones(9), 1, N)
         with pytest.raises(synk.WorkerError) as ei:
             S.ff(v)
         assert ei.value.ranks == [1]
@@ -510,15 +510,15 @@ def test_debug_mismatch_still_drains(monkeypatch, assert_clean):
 # Re-entrant use (a signal handler that calls synkhronos) and processes forked by user code
 
 def _slow_session():
-    import _fault_scripts as fs
-    fs.quiet()
+    import _fault_ops as fo
+    fo.quiet()
     synk.fork(2)
     x = T.vector("x", dtype="float64")
-    slow = synk.function([x], (T.sum(fs.Fault("sleep")(x)), "sum"))
+    slow = synk.function([x], (T.sum(fo.Fault("sleep")(x)), "sum"))
     fast = synk.function([x], (T.sum(x), "sum"))
     synk.distribute()
     assert slow(np.arange(4.0)) == 6.0 and fast(np.arange(4.0)) == 6.0
-    return slow, fast, fs.with_trigger(np.ones(4), 1, 2)
+    return slow, fast, fo.with_trigger(np.ones(4), 1, 2)
 
 
 @pytest.mark.parametrize("handler_catches", [True, False])
@@ -556,8 +556,8 @@ def test_call_from_a_signal_handler_during_a_call(handler_catches, assert_clean)
 
 
 def _trigger():
-    import _fault_scripts as fs
-    return fs.TRIGGER
+    import _fault_ops as fo
+    return fo.TRIGGER
 
 
 @pytest.mark.parametrize("how", ["os.fork", "multiprocessing"])

@@ -227,7 +227,7 @@ def test_hosts_uneven_collectives(hosts):
 
 @pytest.mark.parametrize("ranks", [RANKS[0], pytest.param(RANKS[1].values[0], id="JAX", marks=pytest.mark.slow)])
 def test_hosts_sigint_storm(hosts, ranks):
-    """test_faults' SIGINT storm on 4 ranks over two hosts: calls, training steps (plain,
+    """test_faults_master's SIGINT storm on 4 ranks over two hosts: calls, training steps (plain,
     fp16, and a gradient that lies in the shared-memory slots) and collectives interrupted
     at random instants; every completed result right, every interrupted one all or nothing
     on every rank of both hosts, nothing left on either host."""

@@ -22,7 +22,6 @@ import pytensor.tensor as T
 
 import synkhronos as synk
 import synk_testutil as tu
-import _fault_scripts as fs
 from synkhronos.shards import split
 
 N = 3
@@ -234,7 +233,7 @@ def soak(S, n_ops, seed, request):
         lines.append(f"  {k:>8} " + " ".join(f"{m['rss'][r]:>10.1f}" for r in range(N)) + " "
                      + " ".join(f"{m['fds'][r]:>6}" for r in range(N))
                      + f" {m['shm']:>9} {m['shm_mb']:>7.2f}")
-    fs.report(request.config, "\n".join(lines))
+    tu.report(request.config, "\n".join(lines))
 
     first, last = marks[0], marks[n_ops]
     for r in range(N):
