@@ -31,13 +31,20 @@ pytestmark = pytest.mark.filterwarnings("ignore:Numba will use object mode")
 STARTS = [pytest.param(True, id="forked"), pytest.param(False, id="spawned")]   # (see forked.py)
 
 
-@pytest.mark.parametrize("forked", STARTS)
-def test_fork_worker_raises(tmp_path, monkeypatch, forked):
-    for k, v in fo.startup_fault_env(tmp_path, f"raise:{VICTIM}", forked).items():
+def _fork_with_fault(tmp_path, monkeypatch, fault, forked):
+    """``synk.fork(N)`` with ``fault`` ("raise", "kill") in rank VICTIM at start-up: (the
+    exception, seconds until it, the number of session prefixes before)."""
+    for k, v in fo.startup_fault_env(tmp_path, f"{fault}:{VICTIM}", forked).items():
         monkeypatch.setenv(k, v)
     first = len(tu.prefixes())
     e, dt = raises_within(lambda: synk.fork(N))
     monkeypatch.undo()
+    return e, dt, first
+
+
+@pytest.mark.parametrize("forked", STARTS)
+def test_fork_worker_raises(tmp_path, monkeypatch, forked):
+    e, dt, first = _fork_with_fault(tmp_path, monkeypatch, "raise", forked)
     record("fork", "raise", e, dt)
     # WorkerError with the traceback, or WorkerDied (exit code 1) when it died before replying
     assert isinstance(e, (synk.WorkerError, synk.WorkerDied))
@@ -124,11 +131,7 @@ def test_worker_that_cannot_read_a_command_reports_it():
 
 @pytest.mark.parametrize("forked", STARTS)
 def test_fork_worker_killed(tmp_path, monkeypatch, forked):
-    for k, v in fo.startup_fault_env(tmp_path, f"kill:{VICTIM}", forked).items():
-        monkeypatch.setenv(k, v)
-    first = len(tu.prefixes())
-    e, dt = raises_within(lambda: synk.fork(N))
-    monkeypatch.undo()
+    e, dt, first = _fork_with_fault(tmp_path, monkeypatch, "kill", forked)
     record("fork", "SIGKILL", e, dt)
     assert_died(e, VICTIM, "start-up")
     assert synk.session_info() is None
