@@ -28,7 +28,9 @@ class HierComm:
     memory among the ranks of a host, one MPI collective between hosts on a host buffer
     (run by the host's MPI process), shared memory again to give every rank the result.
     Nothing any rank can see changes before every rank of every host is ready: a vote, or
-    for a reduction the gather of the hosts' shapes (its commit: one exchange less)."""
+    for a reduction the hosts' agreement on the shapes, made by their MPI processes in the
+    same request as the exchange of the data (its commit: no vote, no turn through the ranks
+    between the two)."""
 
     name = "hier"
     returns_new = ("all_gatherv", "reduce_scatter", "gatherv")   # verbs whose results are new arrays
