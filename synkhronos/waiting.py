@@ -94,7 +94,7 @@ class Waiter:
                         return
                 try:
                     self.check()
-                except BaseException:
+                except Exception:   # (an interrupt is never swallowed by an answer that came meanwhile)
                     if ready():     # the answer came just before the loss (a rank's last reply)
                         return
                     raise

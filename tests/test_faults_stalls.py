@@ -199,3 +199,29 @@ def test_ranks_waiting_in_graph_wake_when_a_late_rank_arrives():
         assert min(times[2:]) < 0.012, f"calls took {np.round(np.array(times) * 1e3, 1)} ms"
     finally:
         synk.close()
+
+
+# ==============================================================================================
+# A wait's liveness check against an answer that comes meanwhile
+
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, RuntimeError])
+def test_an_interrupt_during_a_liveness_check_is_never_swallowed(raised):
+    """A wait looks at the other side's liveness between looks at its answer; when the
+    check raises and the answer is there by then, a loss reported just after the last reply
+    is no loss (the wait returns), but an interrupt (Ctrl-C landing inside the check) must
+    still raise: found under a SIGINT between hosts, where the answer of an MPI operation
+    tested for up to 0.3 ms in that last look arrived often enough to swallow one Ctrl-C."""
+    from synkhronos.waiting import Waiter
+    checked = []
+
+    def check():
+        checked.append(True)
+        raise raised("during the check")
+    waiter = Waiter(check, stall=None, timeout=None, spin=0.0)
+    ready = lambda: bool(checked)        # noqa: E731  (the answer comes during the check)
+    if raised is KeyboardInterrupt:
+        with pytest.raises(KeyboardInterrupt):
+            waiter.wait(ready, lambda t: None)
+    else:
+        waiter.wait(ready, lambda t: None)
+    assert checked == [True]
