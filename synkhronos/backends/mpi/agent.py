@@ -17,8 +17,8 @@ from .channel import HostRelay
 from .hosts import worker_config
 from .hub import HostView
 from .requests import Pending, Requests, abandon
-from .world import (ABORT, ARRIVE_T, BYE, CMD, DECIDE, END, ENDED, EXIT, GO, IDLE_AFTER, KEEP_HOT, LOST, OP_HOT,
-                    OP_TIGHT, POLL, POLL_IDLE, FLIGHT, READY, REPLY, RESYNC, START, VOTE_T, world)
+from .world import (ABORT, ARRIVE_T, BYE, CMD, DECIDE, END, ENDED, EXIT, GO, IDLE_AFTER, KEEP_HOT, LOST,
+                    POLL, POLL_IDLE, FLIGHT, READY, REPLY, RESYNC, START, VOTE_T, world)
 from ..host.device import usable_cores
 from ..host.launcher import SubprocessLauncher, worker_argv, worker_environment
 from ..registry import make_device
@@ -105,7 +105,6 @@ class Agent:
         self.replied = -1              # the last command every rank of the host answered
         self.req_done = 0
         self.mpi_op = None             # (token, requests.Pending) of the MPI operation in progress
-        self.mpi_since = 0.0           # when it started
         # until when an answer from the master is awaited (after this host's arrival, vote or
         # replies): the agent looks for it between yields, not sleeps; once the master's
         # answer is handed to the ranks they are at work, and they wake the agent
@@ -154,7 +153,7 @@ class Agent:
                 if quiet_since is None:
                     quiet_since = now
                 quiet = now - quiet_since
-                if now < self.hot_until or (self.mpi_op is not None and now - self.mpi_since < OP_HOT):
+                if now < self.hot_until or (self.mpi_op is not None and self.mpi_op[1].young()):
                     os.sched_yield()             # MPI messages wake nobody: look again at once
                 else:                            # the ranks of this host are at work (they wake the
                     # agent when they need it) or nothing is awaited: sleep until a rank posts,
@@ -167,7 +166,6 @@ class Agent:
     def step(self):
         """One round of everything the agent watches; None once the session ended."""
         w, host, ctl = self.w, self.host, self.ctl
-        now = time.perf_counter()
         busy = self.relay.service(self.replied)     # channels first: a run opens before its command
         messages = w.poll()
         for i, (_src, tag, obj) in enumerate(messages):
@@ -228,10 +226,8 @@ class Agent:
             if req is not None:
                 token, r = req
                 self.mpi_op = (token, Pending(self.coll, w.MPI, r, self.buffers))
-                self.mpi_since = time.perf_counter()
                 busy = True
-        if self.mpi_op is not None and self.mpi_op[1].test_for(OP_TIGHT if now - self.mpi_since < OP_HOT else 0):
-            # ...and answer once done (tested without a break while it may be quick)
+        if self.mpi_op is not None and self.mpi_op[1].look():     # ...and answer once done
             token, op = self.mpi_op
             self.requests.answer(token, op.result)
             self.req_done, self.mpi_op = token, None

@@ -7,7 +7,7 @@ import time
 import numpy as np
 
 from .requests import Pending, Requests, abandon
-from .world import OP_HOT, OP_TIGHT
+from .world import OP_HOT
 from ..shm import segments as shm
 from ..shm.chunks import chunk_bounds, row_blocks
 from ..shm.control import step_token
@@ -93,10 +93,10 @@ class HierComm:
         if self.pos == 0:
             self.retire = True                       # until answered: see _host_buffer
             if self.w is not None:                   # the master: its host's MPI process
-                op, done, aborted, hot = None, [], [], time.perf_counter() + OP_HOT
+                op, done, aborted = None, [], []
 
                 def ready():                         # (watching the other hosts meanwhile)
-                    if op.test_for(OP_TIGHT if time.perf_counter() < hot else 0):
+                    if op.look():
                         done.append(True)
                         return True
                     # a rank that failed before its host's MPI process joined (e.g. in the

@@ -12,6 +12,7 @@ import zlib
 
 import numpy as np
 
+from .world import OP_HOT, OP_TIGHT
 from ..shm import segments as shm
 from ... import signals
 
@@ -101,6 +102,7 @@ class Pending:
         self.then = None                # ("agreed"): the request run once the hosts agree
         self.agreed = None              # ... and whether they did, once known
         self.done = False
+        self.started = time.perf_counter()
         if req[0] == "agreed":
             _, signature, self.detail, self.then = req
             req = ("agree", signature, _size(self.then))
@@ -178,12 +180,18 @@ class Pending:
         self.done = True
         return True
 
-    def test_for(self, seconds):
-        """``test()`` again and again, without a break, for up to ``seconds``: MPI moves an
-        operation's data only while it is tested, and a small one completes within a few
-        tests (a process that does a round of other work between tests makes each step of
-        it wait for that round).  Whether it is complete."""
-        end = time.perf_counter() + seconds
+    def young(self):
+        """Whether the operation started less than ``OP_HOT`` seconds ago (its processes then
+        look for its end between yields, not sleeps)."""
+        return time.perf_counter() - self.started < OP_HOT
+
+    def look(self):
+        """``test()`` again and again, without a break, for up to ``OP_TIGHT`` seconds while
+        the operation is young (else once): MPI moves an operation's data only while it is
+        tested, and a small one completes within a few tests (a process that does a round of
+        other work between tests makes each step of it wait for that round; an operation
+        that a stuck peer holds up keeps no core busy once it is old).  Whether it is complete."""
+        end = time.perf_counter() + (OP_TIGHT if self.young() else 0.0)
         while not self.test():
             if time.perf_counter() >= end:
                 return False

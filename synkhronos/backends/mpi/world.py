@@ -27,7 +27,8 @@ POLL, POLL_IDLE, IDLE_AFTER = 0.0002, 0.005, 1.0
 # within microseconds, and a process that waits for nothing sleeps
 KEEP_HOT, OP_HOT = 0.005, 2.0
 # an MPI operation in flight is tested without a break for up to OP_TIGHT seconds at each
-# look (requests.Pending.test_for): one between hosts then takes a few tests, not rounds
+# look while it is younger than OP_HOT (requests.Pending.look): one between hosts then takes a
+# few tests, not rounds
 OP_TIGHT = 0.0003
 _world = None
 
