@@ -1,11 +1,13 @@
 """The chaos soak across hosts (``tests/test_chaos.py``): run under ``mpiexec`` with one
 MPI process per (simulated) host, ``python _chaos_mpi.py RUNS SEED``.
 
-Each run forks a session of 4 ranks (2 per host), makes a shared variable of a random size
-(4 KB to 64 MB) and a function, then repeats one operation (a long call, ``all_reduce``,
-``broadcast``, ``gather`` or ``scatter`` of the variable) while one fault lands at a random
-moment: a worker rank of either host killed (SIGKILL) or frozen (SIGSTOP), an exception in
-a rank's share of a call, or Ctrl-C in the master.  What it must end in:
+Each run forks a session of 4 ranks (2 per host), 3 (2 and 1) or 2 (one per host: a host's
+one rank runs its reductions between hosts in its own buffers, not a host buffer), makes a
+shared variable of a random size (4 KB to 64 MB) and a function, then repeats one
+operation (a long call, ``all_reduce``, ``broadcast``, ``gather`` or ``scatter`` of the
+variable) while one fault lands at a random moment: a worker rank of either host killed
+(SIGKILL) or frozen (SIGSTOP), an exception in a rank's share of a call, or Ctrl-C in the
+master.  What it must end in:
 
 =========  ==============================================================================
 kill       ``WorkerDied`` naming the rank and its host within 5 s; the session is closed
@@ -57,10 +59,11 @@ def one_run(synk, rng, run, state):
     import pytensor
     import pytensor.tensor as T
     fault = FAULTS[rng.integers(len(FAULTS))]
-    synk.fork(4, stall=STALL_S)
+    n = int((2, 3, 4)[rng.integers(3)])
+    synk.fork(n, stall=STALL_S)
     info = synk.session_info()
     ranks = {r.rank: (r.host, r.pid) for r in info.ranks}
-    victim = int(rng.integers(1, 4))                         # a worker, on either host
+    victim = int(rng.integers(1, n))                         # a worker, on either host (n = 2: hB's)
     size = int(SIZES[rng.integers(len(SIZES))])
     v = pytensor.shared(np.zeros(size // 4, np.float32), name="v")
     x = T.vector("x", dtype="float64")
@@ -68,8 +71,8 @@ def one_run(synk, rng, run, state):
     f = synk.function([x], [(T.sum(fo.Fault(action, victim)(x)), "sum"), (T.sum(v), "sum")])
     synk.distribute()
     op = "call" if fault == "raise" else OPS[rng.integers(len(OPS))]
-    data = fo.with_trigger(np.ones(8), victim, 4)              # the victim's shard holds the trigger
-    full = np.ones(size // 4 * 4, np.float32)
+    data = fo.with_trigger(np.ones(8), victim, n)              # the victim's shard holds the trigger
+    full = np.ones(size // 4 * n, np.float32)
 
     def once():
         if op == "call":
@@ -96,7 +99,7 @@ def one_run(synk, rng, run, state):
             os.kill(pid, signal.SIGSTOP)
         elif fault == "ctrl-c":
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
-    rec = dict(run=run, fault=fault, op=op, size=size, victim=victim, host=host, delay=round(delay, 3))
+    rec = dict(run=run, n=n, fault=fault, op=op, size=size, victim=victim, host=host, delay=round(delay, 3))
     _emit("SYNK-RUN", rec)
     state["what"] = f"{fault} of rank {victim} ({host}) during {op} of {size} B"
     timer = threading.Timer(delay, inject) if fault != "raise" else None
@@ -222,7 +225,11 @@ def main(runs, seed):
     for r in records:
         key = f"{r.get('fault')} -> {r.get('raised')}"
         outcomes[key] = outcomes.get(key, 0) + 1
-    _emit("SYNK-RESULT", dict(runs=runs, faults=len(records), hangs=0, outcomes=outcomes,
+    sessions = {}
+    for r in records:
+        key = f"{r.get('n')} ranks"
+        sessions[key] = sessions.get(key, 0) + 1
+    _emit("SYNK-RESULT", dict(runs=runs, faults=len(records), hangs=0, outcomes=outcomes, sessions=sessions,
                               wrong=[r for r in records if not r["ok"]],
                               slowest=max((r.get("seconds", 0) for r in records
                                            if r.get("fault") in ("kill", "stop")), default=0.0),

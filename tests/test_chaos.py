@@ -49,7 +49,8 @@ def load():
 
 def _table(res):
     lines = [f"chaos soak: {res['runs']} runs, {res['faults']} faults, {res['hangs']} hangs, "
-             f"{len(res['wrong'])} wrong, slowest report {res['slowest']:.2f} s"]
+             f"{len(res['wrong'])} wrong, slowest report {res['slowest']:.2f} s; sessions "
+             + ", ".join(f"{k}: {v}" for k, v in sorted(res["sessions"].items()))]
     for key, count in sorted(res["outcomes"].items()):
         lines.append(f"  {key:<40} {count:>5}")
     return "\n".join(lines)

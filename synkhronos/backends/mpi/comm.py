@@ -1,6 +1,7 @@
 """The ``hier`` collectives of a session spanning several hosts: shared memory among the
 ranks of a host (the ``shm`` slots), one MPI collective between hosts on a host buffer
-(run by the host's MPI process), shared memory again to give every rank the result."""
+(run by the host's MPI process; a host's one rank all-reduces in its own value buffer),
+shared memory again to give every rank the result."""
 import math
 import time
 
@@ -227,15 +228,22 @@ class HierComm:
 
     def _reduction(self, items, op, root, in_place, tentative):
         what = "all_reduce" if root is None else "reduce"
-        staged = []
+        staged, alone = [], []
         for key, arr in items:
-            view = self.slots.publish(key, np.asarray(arr))
+            arr = np.asarray(arr)
+            alone.append(self._alone(key, arr.dtype, op, root, in_place))
+            view = self.slots.publish(key, arr, apart=alone[-1])
             staged.append((key, view.reshape(-1), view.shape))
         self.ctl.host_barrier()
         half = op in ("sum", "avg") and len(self.host_sizes) > 1     # float16: see _half_between_hosts
         kinds = []
-        for key, flat, shape in staged:      # this host's buffers, before the hosts agree: as
-            # large as the largest of the host's ranks (equal to every rank's once they agree)
+        for (key, flat, shape), mine in zip(staged, alone):   # this host's buffers, before the
+            # hosts agree: as large as the largest of the host's ranks (equal to every rank's
+            # once they agree); none where MPI works on the rank's own value buffer
+            if mine:
+                kinds.append((flat.dtype, None, None))
+                self.ctl.host_barrier()      # (the step of a host buffer's making: see _alone_between_hosts)
+                continue
             count = max(int(math.prod(self.slots.shape(key, r))) for r in self.members)
             acc = None if half and flat.dtype == np.float16 else red.accumulator(op, flat.dtype)
             need = ((("r", np.float16, count), ("q", np.float16, len(self.host_sizes) * count)) if acc is None
@@ -265,7 +273,10 @@ class HierComm:
             raise ValueError(f"{what} needs the same shapes on every rank, got {details} (by host)")
         fn = red.UFUNC[op]
         outs = []
-        for (key, flat, shape), (acc, need, names) in zip(staged, kinds):
+        for (key, flat, shape), (acc, need, names), mine in zip(staged, kinds, alone):
+            if mine:
+                outs.append(self._alone_between_hosts(key, flat, op, exchange, tentative))
+                continue
             hbufs = tuple(self._host_view(key, kind, dtype, count) for kind, dtype, count in need)
             hbuf, hname = (hbufs, names) if acc is None else (hbufs[0], names[0])
             # (a host whose ranks differ in shape adds nothing up: it only takes part in the agreement)
@@ -302,6 +313,33 @@ class HierComm:
                     self.slots.lend(key, tentative)
         self.ctl.host_barrier()          # nobody reads the host buffers or slots any more
         return [None if out is None else out.reshape(shape) for out, (_, _, shape) in zip(outs, staged)]
+
+    def _alone(self, key, dtype, op, root, in_place):
+        """Whether the MPI all-reduce of ``key`` can work on this rank's own value buffer,
+        with no host buffer and no copy in or out of it: the host's one rank, a result in
+        place, accumulated in the value's own dtype, and a staging buffer that no tentative
+        lend of this command may give back to its caller (the operation writes it)."""
+        return (self.k == 1 and root is None and in_place and red.accumulator(op, dtype) == dtype
+                and (op != "avg" or dtype.kind in "fc") and not self.slots.reverts(key))
+
+    def _alone_between_hosts(self, key, flat, op, exchange, tentative):
+        """``all_reduce`` of the host's one rank: MPI in place on its staging buffer (the
+        value was copied there, apart from the one the caller keeps), which is then lent as
+        the result.  A buffer that an operation given up on may still write to is retired.
+        Every host counts the same steps of its control (votes between hosts compare them),
+        whatever its number of ranks: this host's one rank counts, alone, the meetings its
+        host would have had about a host buffer (its making, and the host's sum)."""
+        self.ctl.host_barrier()
+        try:
+            exchange(("allreduce", self.slots.name(key), flat.dtype.str, flat.size, "sum" if op == "avg" else op))
+        except BaseException:
+            self.slots.retire(key)
+            raise
+        if op == "avg":
+            with np.errstate(over="ignore"):
+                np.multiply(flat, flat.dtype.type(1.0 / self.n), out=flat)
+        self.slots.lend(key, tentative)
+        return flat
 
     def _half_between_hosts(self, op, flat, bufs, names, srcs, out, exchange):
         """float16 ``sum``/``avg`` across hosts, as float16 on the wire (half the bytes of the

@@ -264,13 +264,22 @@ def abandon(pending):
             del pending.buffers[seg.name]
 
 
+def _place(name):
+    """What a buffer's newer versions share with ``name``: a host buffer
+    (PREFIX_h{kind}{key}x{n}) replaces the one of a smaller n; a rank's two value buffers of
+    a key (PREFIX_v0k{key}r{rank}g{gen}) alternate, a new generation replacing the one of
+    its parity only (both stay mapped)."""
+    head = name.rstrip("0123456789")
+    return head if head.endswith("x") else (head, int(name[len(head):]) % 2)
+
+
 def _host_segment(buffers, name):
-    """A host buffer by name (``buffers``: name -> Segment, this process's mappings)."""
+    """A buffer of the host (or one of its ranks' value buffers) by name (``buffers``:
+    name -> Segment, this process's mappings)."""
     seg = buffers.get(name)
     if seg is None:
-        # host buffers are named PREFIX_h{kind}{key}x{n}: a new n replaced the old buffer
-        stem = name[:name.rindex("x")]
-        for old in [b for b in buffers if b[:b.rindex("x")] == stem]:
+        place = _place(name)
+        for old in [b for b in buffers if _place(b) == place]:
             del buffers[old]                 # unmap it: its memory goes back
         seg = buffers[name] = shm.Segment(name)
     return seg

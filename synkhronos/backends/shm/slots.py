@@ -125,11 +125,12 @@ class Slots:
         self.announce(plane, key, gen, shape)
         return seg.array(dtype, shape)
 
-    def publish(self, key, arr):
+    def publish(self, key, arr, apart=False):
         """Publish ``arr`` as this rank's value of ``key`` (copied into a staging buffer
-        unless it is the lent one); returns where it lies."""
+        unless it is the lent one, or ``apart``: always, for a collective that then writes
+        the staging buffer in place); returns where it lies."""
         arr = np.asarray(arr)
-        if self.holds(key, arr):
+        if not apart and self.holds(key, arr):
             self.publish_held(key, arr.shape)
             return arr
         view = self.stage(key, arr.dtype, arr.shape)
@@ -137,6 +138,25 @@ class Slots:
             arr = np.array(arr, copy=True)
         np.copyto(view, arr)
         return view
+
+    def reverts(self, key):
+        """Whether the value buffer not lent may become the caller's again (lent
+        tentatively in this command: ``settle`` gives the other one back)."""
+        return key in self.undo
+
+    def name(self, key):
+        """The name of the value buffer of ``key`` published now (another process maps it)."""
+        return self.bufs[(SLOT, key)][self.cur[(SLOT, key)]][1].name
+
+    def retire(self, key):
+        """The value buffer of ``key`` published now (not lent) is never used again: an
+        operation given up on may still write to it.  The next staging makes a new one."""
+        bufs, i = self.bufs[(SLOT, key)], self.cur[(SLOT, key)]
+        if i == self.lent.get(key) or bufs[i] is None:
+            return
+        bufs[i][1].unlink()
+        self.views.pop((SLOT, key, self.rank, bufs[i][0]), None)
+        bufs[i] = None
 
     def shape(self, key, rank, plane=SLOT):
         row = self.table[plane, key, rank].tolist()
