@@ -151,8 +151,11 @@ def test_hosts_inputs_that_grow_and_shrink(hosts):
     assert_hosts_clean(hosts)
 
 
-def test_hosts_training_equals_serial(hosts):
-    p, info, res = run_hosts(hosts, "train", "auto", "20")
+@pytest.mark.parametrize("n", ["auto", "2"], ids=["every-core", "1-per-host"])
+def test_hosts_training_equals_serial(hosts, n):
+    """20 SGD steps on two hosts equal the serial run's (every core a rank, and one rank a
+    host: its gradients' all-reduce between hosts in its own value buffers)."""
+    p, info, res = run_hosts(hosts, "train", n, "20")
     assert p.returncode == 0 and res is not None, p.stdout[-3000:] + p.stderr[-3000:]
     assert res["loss_diff"] < 1e-12 and res["param_diff"] < 1e-12 and res["ranks_agree"] == 0.0
     assert_hosts_clean(hosts)
