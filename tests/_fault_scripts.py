@@ -164,12 +164,13 @@ def scenario_worker_exit(n):
     _result(total=total, close_s=time.monotonic() - t0, prefix=prefix)
 
 
-def scenario_master_busy(what):
-    """Print the session, then stay busy in a long call (``what="call"``: every rank sleeps
-    SLEEP_S per call) or in a loop of collectives (``"collectives"``) until killed."""
+def scenario_master_busy(what, n="3"):
+    """Print the session (of ``n`` ranks), then stay busy in a long call (``what="call"``:
+    every rank sleeps SLEEP_S per call) or in a loop of collectives (``"collectives"``)
+    until killed."""
     import synkhronos as synk
     import synk_testutil as tu
-    f, w, info = _session(3)
+    f, w, info = _session(int(n))
     _info(prefix=info.resources["shm_prefix"], pids=list(tu.worker_pids().values()))
     data = np.full(6, TRIGGER)
     t_end = time.monotonic() + 60

@@ -24,7 +24,7 @@ def _close_quietly():
 @pytest.fixture(scope="module", autouse=True)
 def no_leaks_after_module():
     """After the module (and its fork fixtures) is done: no /dev/shm entry of any session
-    started in it, no ``synkhronos.worker`` child process, no open runtime."""
+    started in it, no ``synkhronos.worker`` or guardian child process, no open runtime."""
     first = len(tu.prefixes())
     yield
     still_open = tu.is_open()
@@ -34,15 +34,15 @@ def no_leaks_after_module():
     # close() is synchronous; the short wait only covers a worker that is exiting on its own
     tu.wait_until(lambda: not tu.entries_of(prefixes), 5.0)
     left = tu.entries_of(prefixes)
-    tu.wait_until(lambda: not tu.worker_children(), 5.0)
-    procs = tu.worker_children()
+    tu.wait_until(lambda: not tu.worker_children() and not tu.guardians(), 5.0)
+    procs = tu.worker_children() + tu.guardians()
     problems = []
     if still_open:
         problems.append("a synkhronos runtime was left open by the module")
     if left:
         problems.append(f"shared-memory entries left in /dev/shm: {left}")
     if procs:
-        problems.append(f"synkhronos.worker processes left running: {procs}")
+        problems.append(f"synkhronos worker or guardian processes left running: {procs}")
         for pid in procs:
             try:
                 os.kill(pid, 9)
@@ -62,7 +62,7 @@ def assert_clean():
     def check():
         prefixes = tu.prefixes()[first:]
         assert tu.entries_of(prefixes) == []
-        assert tu.worker_children() == []
+        assert tu.worker_children() == [] and tu.guardians() == []
     return check
 
 

@@ -226,6 +226,11 @@ def worker_children(ppid=None):
     return _children("synkhronos.worker", ppid)
 
 
+def guardians(ppid=None):
+    """Live guardian processes (``backends/host/guardian.py``) whose parent is ``ppid``."""
+    return _children("backends/host/guardian.py", ppid)
+
+
 def fork_servers(ppid=None):
     """Live fork servers (``synkhronos.backends.host.forkserver``) whose parent is ``ppid``."""
     return _children("synkhronos.backends.host.forkserver", ppid)

@@ -23,11 +23,12 @@ pytestmark = pytest.mark.filterwarnings("ignore:Numba will use object mode")
 # ==============================================================================================
 # The master killed, and Ctrl-C in the master
 
-@pytest.mark.parametrize("what", ["call", "collectives"])
-def test_master_killed_while_busy(what):
+@pytest.mark.parametrize("what,n", [("call", 3), ("collectives", 3), ("call", 1)])
+def test_master_killed_while_busy(what, n):
     """SIGKILL of the master in the middle of a long call (every worker busy for SLEEP_S) or
-    of a stream of collectives: every worker exits and every segment goes within seconds."""
-    info, _, out, rc, t_kill = run_script("master_busy", what, kill_after=0.5)
+    of a stream of collectives: every worker exits and every segment goes within seconds
+    (a session of one rank: its guardian process frees them, no worker being there)."""
+    info, _, out, rc, t_kill = run_script("master_busy", what, str(n), kill_after=0.5)
     assert info is not None, out
     try:
         assert rc == -signal.SIGKILL

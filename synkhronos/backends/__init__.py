@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from .host import gpus as host_gpus
+from .host.guardian import Guardian
 from .host.launcher import worker_argv, worker_environment
 from .mpi import hosts as mpi_hosts
 from .mpi import world as mpi_world
@@ -74,6 +75,7 @@ class Planes:
     resources: dict = field(default_factory=dict)       # what the session owns (diagnostics, removal)
     local_workers: Optional[tuple] = None               # ranks the launcher starts (None: all workers)
     rank_config: Optional[Callable[[int], dict]] = None  # rank -> what that worker's configuration adds
+    guardian: Any = None        # frees the master's host's shared memory if the master dies (no worker there)
 
 
 def get_n_gpu():
@@ -126,8 +128,9 @@ def _local_master(spec):
         control = implementation("control", "shm")(prefix, n, rank, rank, spec.waiter, create=True)
         host_comm = implementation("comm", "shm")(prefix, rank, n, control, create=True)
         comm = _comm_stack(host_comm, device, rank, n, rank, control)
+        guardian = Guardian.start(prefix) if n == 1 else None
     return Planes(control, comm, implementation("launcher", "subprocess")(), "local",
-                  {"topology": "local", "prefix": prefix}, {"shm_prefix": prefix})
+                  {"topology": "local", "prefix": prefix}, {"shm_prefix": prefix}, guardian=guardian)
 
 
 @contextlib.contextmanager
@@ -186,8 +189,9 @@ def _mpi_master(spec):
 
     def rank_config(r):
         return mpi_hosts.worker_config(prefix, k0 + 1, r, range(k0), k0, False, 0, sizes, r, pid, w.mpi_shm)
+    guardian = Guardian.start(prefix, w.mpi_shm) if k0 == 1 else None
     return Planes(control, comm, launcher, "mpi", {}, {"shm_prefix": prefix, "hosts": [h for h, _ in hosts]},
-                  local_workers=tuple(range(1, k0)), rank_config=rank_config)
+                  local_workers=tuple(range(1, k0)), rank_config=rank_config, guardian=guardian)
 
 
 def attach_control(cfg, rank, waiter):
@@ -219,6 +223,8 @@ def remove(planes, graceful):
     """Free what the master's session left (its shared memory; across hosts, the other
     hosts' sessions: ``graceful`` when its workers quit cleanly)."""
     segments.remove_all(planes.resources["shm_prefix"])
+    if planes.guardian is not None:
+        planes.guardian.release()
     if planes.topology == "mpi":
         mpi_hosts.end_agents(graceful)
 

@@ -43,12 +43,14 @@ class Slots:
         self.gen = {}     # (plane, key) -> last generation number used in a name
         self.peers = {}   # (plane, key, rank) -> {gen % 2: (gen, Segment)}
         self.views = {}   # (plane, key, rank, gen) -> (shape, dtype, array): the last view made
+        self.retired = set()   # (plane, key, i): buffers replaced at their next use (see ``retire``)
 
     def _buffer(self, plane, key, i, nbytes):
         bufs = self.bufs.setdefault((plane, key), [None, None])
         cur = bufs[i]
-        if cur is not None and cur[1].size >= nbytes:
+        if cur is not None and cur[1].size >= nbytes and (plane, key, i) not in self.retired:
             return cur
+        self.retired.discard((plane, key, i))
         gen = self.gen.get((plane, key), 0) + 1
         gen += (gen - i) % 2             # buffer i has generations of parity i (see ``view``)
         self.gen[(plane, key)] = gen
@@ -149,14 +151,13 @@ class Slots:
         return self.bufs[(SLOT, key)][self.cur[(SLOT, key)]][1].name
 
     def retire(self, key):
-        """The value buffer of ``key`` published now (not lent) is never used again: an
-        operation given up on may still write to it.  The next staging makes a new one."""
-        bufs, i = self.bufs[(SLOT, key)], self.cur[(SLOT, key)]
-        if i == self.lent.get(key) or bufs[i] is None:
-            return
-        bufs[i][1].unlink()
-        self.views.pop((SLOT, key, self.rank, bufs[i][0]), None)
-        bufs[i] = None
+        """The value buffer of ``key`` published now (not lent) is not used again: an
+        operation given up on may still write to it.  Its next use makes a new one (and
+        only then removes its name: the host's MPI process, which may still be about to map
+        it for that operation, gives it up before this rank's next command)."""
+        i = self.cur[(SLOT, key)]
+        if i != self.lent.get(key):
+            self.retired.add((SLOT, key, i))
 
     def shape(self, key, rank, plane=SLOT):
         row = self.table[plane, key, rank].tolist()
