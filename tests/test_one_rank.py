@@ -161,3 +161,30 @@ def test_one_rank_batch_calls_run_the_function_itself():
         np.testing.assert_allclose(synk.get_value(0, w), W)
     finally:
         synk.close()
+
+
+def test_one_rank_session_has_a_guardian_that_leaves_with_it():
+    """A one-rank session has a guardian (a process that frees the session's shared memory
+    if the master dies: no worker is there to do it; tested in test_faults_master); it
+    leaves at once when the session closes, even while a process that the program forked
+    keeps the guardian's pipe open."""
+    import os
+    import signal
+    import time
+    tu.fork(1)
+    child = None
+    try:
+        assert len(tu.guardians()) == 1
+        child = os.fork()
+        if child == 0:                         # a forked child that outlives the session
+            time.sleep(30)
+            os._exit(0)
+        t0 = time.monotonic()
+        synk.close()
+        assert time.monotonic() - t0 < 2.0
+        assert tu.guardians() == []
+    finally:
+        synk.close()
+        if child:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)

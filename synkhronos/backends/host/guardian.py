@@ -4,9 +4,9 @@ MPICH's files included, if the master dies without closing its session.  On a ho
 workers they do it (``backends.worker_exit``); here nobody else is left to.
 
 The process (this file run by path: ``python -I -S guardian.py MASTER PREFIX [FILE...]``,
-the standard library only) waits on a pipe from the master: ``closed`` then the end of the
-pipe means the master closed its session; the end alone (the master died), or the master
-seen gone (a process that the master forked may still hold the pipe), means free it."""
+the standard library only) waits on a pipe from the master: ``closed`` means the master
+closed its session; the end of the pipe without it (the master died), or the master seen
+gone (a process that the master forked may still hold the pipe), means free it."""
 import os
 import select
 import signal
@@ -76,6 +76,8 @@ def watch(master, prefix, files):
             if not chunk:
                 break
             said += chunk
+            if said == _CLOSED:      # (at once: a process the master forked may keep the pipe open)
+                return
         elif os.getppid() != master:
             break
     if said != _CLOSED:
