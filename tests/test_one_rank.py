@@ -163,7 +163,8 @@ def test_one_rank_batch_calls_run_the_function_itself():
         synk.close()
 
 
-def test_one_rank_session_has_a_guardian_that_leaves_with_it():
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning", "ignore:This process:DeprecationWarning")
+def test_one_rank_session_has_a_guardian_that_leaves_with_it():   # (the child only sleeps: no lock)
     """A one-rank session has a guardian (a process that frees the session's shared memory
     if the master dies: no worker is there to do it; tested in test_faults_master); it
     leaves at once when the session closes, even while a process that the program forked
