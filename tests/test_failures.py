@@ -439,8 +439,9 @@ def test_master_crash_leaves_nothing(tmp_path, sig, target):
 
 
 _FORKING_SCRIPT = textwrap.dedent("""
-    import sys, time
+    import faulthandler, signal, sys, time
     import synkhronos as synk
+    faulthandler.register(signal.SIGUSR2, all_threads=True)   # (the test's view of a hang)
     print("FORKING", flush=True)
     synk.fork(2)
     print("FORKED", flush=True)
@@ -469,7 +470,13 @@ def test_sigterm_while_the_workers_start_leaves_nothing(tmp_path):
                                  interval=0.005)
             time.sleep(delay)
             os.kill(proc.pid, signal.SIGTERM)
-            rc = proc.wait(timeout=30)
+            try:
+                rc = proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:      # a hang: where every thread of the master is
+                os.kill(proc.pid, signal.SIGUSR2)
+                time.sleep(1.0)
+                pytest.fail(f"{delay} s into fork(): the master did not end within 30 s of SIGTERM:\n"
+                            f"{out_path.read_text()[-6000:]}")
             text = out_path.read_text()
             prefixes = log.read_text().split() if log.exists() else []
             # (killed by the signal itself only before fork() made anything: its first steps
